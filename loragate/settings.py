@@ -1,0 +1,164 @@
+"""One settings model for the CLI, the config file, ``LORAGATE_*`` env vars and ``create_server()``.
+
+Precedence, highest first: explicit values (CLI flags, ``create_server`` keywords), environment
+variables, the config file (TOML or YAML), defaults.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from loragate.demo.layout import default_cache_dir
+
+_file_values: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
+    "loragate_file_values", default={}
+)
+
+BaseRouting = Literal["auto", "zero-adapter", "direct"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORAGATE_", extra="forbid")
+
+    # What to serve.
+    model: str | None = Field(
+        default=None, description="Base model: a local directory or a Hugging Face id. Default: the bundled demo."
+    )
+    model_name: str | None = Field(default=None, description="The id clients use for the base model.")
+    lora: list[str] = Field(default_factory=list, description="Adapters served from boot on, NAME=SOURCE.")
+    run_id: str | None = None
+    secret_key: str | None = None
+    organization_id: str | None = None
+
+    # Where to listen.
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    # Engine limits and arguments.
+    max_loras: int = Field(default=2, ge=1)
+    max_lora_rank: int = Field(default=16, ge=1)
+    max_cpu_loras: int | None = Field(default=None, ge=1)
+    engine_args: list[str] = Field(default_factory=list, description="Passed to the engine untouched.")
+    engine_python: str = Field(default=sys.executable, description="Python that runs vLLM.")
+    engine_command: list[str] | None = Field(
+        default=None, description="Replaces `python -m vllm.entrypoints.openai.api_server` (advanced)."
+    )
+    base_routing: BaseRouting = Field(
+        default="auto",
+        description=(
+            "How base-model requests reach the engine. 'zero-adapter' routes them through an "
+            "all-zero LoRA so the CPU build's slot -1 bug cannot hand them another adapter's "
+            "weights; 'auto' does so on the CPU build only."
+        ),
+    )
+
+    # Files.
+    cache_dir: Path = Field(default_factory=default_cache_dir)
+    allowed_media_dir: Path | None = None
+
+    # Access.
+    api_key: list[str] = Field(default_factory=list)
+    api_key_file: Path | None = None
+    admin_key: str | None = None
+    metrics_public: bool = True
+    cors_origins: list[str] = Field(default_factory=list)
+    docs: bool = True
+
+    # Supervision.
+    startup_timeout: float = Field(default=900.0, gt=0)
+    probe_interval: float = Field(default=5.0, gt=0)
+    probe_timeout: float = Field(default=5.0, gt=0)
+    probe_failures: int = Field(default=3, ge=1)
+    deep_probe: bool = False
+    restart_backoff: float = Field(default=1.0, ge=0)
+    restart_backoff_max: float = Field(default=30.0, ge=0)
+    crash_loop_limit: int = Field(default=3, ge=1)
+    crash_loop_window: float = Field(default=600.0, gt=0)
+    stop_timeout: float = Field(default=20.0, gt=0)
+    drain_timeout: float = Field(default=30.0, ge=0)
+
+    # Requests.
+    queue_size: int = Field(default=256, ge=0)
+    queue_deadline: float = Field(default=300.0, ge=0)
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    max_messages: int = Field(default=1024, ge=1)
+    max_tokens_cap: int | None = Field(default=None, ge=1)
+    max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
+    max_image_pixels: int = Field(default=40_000_000, gt=0)
+
+    # Adapters.
+    follow_interval: float = Field(default=30.0, gt=0)
+    store_max_bytes: int | None = Field(default=None, ge=0)
+
+    log_json: bool = False
+    log_level: str = "info"
+
+    @field_validator("lora", "api_key", "cors_origins", "engine_args", mode="before")
+    @classmethod
+    def _accept_single_string(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        file_source = InitSettingsSource(settings_cls, init_kwargs=_file_values.get())
+        return (init_settings, env_settings, file_source)
+
+    @property
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.model is None:
+            from loragate.demo.layout import DEMO_MODEL_NAME
+
+            return DEMO_MODEL_NAME
+        return self.model
+
+    def inference_keys(self) -> list[str]:
+        keys = list(self.api_key)
+        if self.api_key_file is not None:
+            lines = self.api_key_file.read_text().splitlines()
+            keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        return keys
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Read a TOML or YAML config file; keys use the flag names with '-' or '_'."""
+    text = path.read_text()
+    data: Any
+    if path.suffix.lower() == ".toml":
+        data = tomllib.loads(text)
+    else:
+        data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config file must hold a table of settings")
+    return {str(key).replace("-", "_"): value for key, value in data.items()}
+
+
+def load_settings(config_file: Path | None = None, **explicit: Any) -> Settings:
+    """Settings from explicit values, then env, then the config file, then defaults."""
+    values = {key: value for key, value in explicit.items() if value is not None}
+    token = _file_values.set(read_config_file(config_file) if config_file else {})
+    try:
+        return Settings(**values)
+    finally:
+        _file_values.reset(token)
