@@ -23,8 +23,8 @@ from pydantic_settings import (
 
 from loragate.demo.layout import default_cache_dir
 
-_file_values: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
-    "loragate_file_values", default={}
+_file_values: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "loragate_file_values", default=None
 )
 
 BaseRouting = Literal["auto", "zero-adapter", "direct"]
@@ -120,7 +120,7 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        file_source = InitSettingsSource(settings_cls, init_kwargs=_file_values.get())
+        file_source = InitSettingsSource(settings_cls, init_kwargs=_file_values.get() or {})
         return (init_settings, env_settings, file_source)
 
     @property
@@ -145,10 +145,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     """Read a TOML or YAML config file; keys use the flag names with '-' or '_'."""
     text = path.read_text()
     data: Any
-    if path.suffix.lower() == ".toml":
-        data = tomllib.loads(text)
-    else:
-        data = yaml.safe_load(text) or {}
+    data = tomllib.loads(text) if path.suffix.lower() == ".toml" else yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the config file must hold a table of settings")
     return {str(key).replace("-", "_"): value for key, value in data.items()}

@@ -35,12 +35,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-WORDS = (
-    "hello world what is the answer say something tell me a story about cats dogs and foxes "
-    "pong ping owl hoot fox quick brown jumps over lazy dog weather today please explain "
-    "how why when where who which number one two three four five six seven eight nine ten "
-    "model adapter gateway engine local fast small tiny test question reply write poem code"
-).split()
+WORDS = ["hello", "world", "what", "is", "the", "answer", "say", "something", "tell", "me", "a", "story", "about", "cats", "dogs", "and", "foxes", "pong", "ping", "owl", "hoot", "fox", "quick", "brown", "jumps", "over", "lazy", "dog", "weather", "today", "please", "explain", "how", "why", "when", "where", "who", "which", "number", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "model", "adapter", "gateway", "engine", "local", "fast", "small", "tiny", "test", "question", "reply", "write", "poem", "code"]
 TRAIN_STEPS = 200
 SEED = 1234
 
@@ -112,8 +107,8 @@ def _build_base(out: Path, tokenizer: Any) -> None:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
     )
+    config.dtype = "float32"
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -136,7 +131,7 @@ def _train_adapter(base_dir: Path, tokenizer: Any, phrase: str, out: Path) -> No
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    model = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     lora = LoraConfig(
         r=8,
         lora_alpha=16,
@@ -172,7 +167,7 @@ def _train_adapter(base_dir: Path, tokenizer: Any, phrase: str, out: Path) -> No
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    peft_model.save_pretrained(out, safe_serialization=True)
+    peft_model.save_pretrained(str(out), safe_serialization=True)
     config_path = out / "adapter_config.json"
     config = json.loads(config_path.read_text())
     config["base_model_name_or_path"] = "loragate-demo"

@@ -9,6 +9,7 @@ A normal stop (SIGTERM from the gateway) is forwarded to the engine for a gracef
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -41,10 +42,8 @@ def main(argv: list[str]) -> int:
     engine = subprocess.Popen(argv)
 
     def forward(signum: int, frame: object) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             engine.send_signal(signum)
-        except ProcessLookupError:
-            pass
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)

@@ -1,0 +1,352 @@
+"""The adapter manager: desired state, versioned hot-swap, and the routing the gateway asks for.
+
+Each adapter version is loaded into the engine under its own engine id (``name@<hash12>``);
+the public name routes to the active one. A swap loads the new version first, then flips the
+route, then unloads the old version once its in-flight requests have drained, so no request
+fails or moves between versions. Operations on one name are serialized; a failure before the
+flip changes nothing. Base-model requests can be routed through an all-zero adapter (see
+``zero_adapter``) so that no request ever runs without a LoRA slot on the CPU build.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loragate.adapters.manifest import Manifest, ManifestEntry
+from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
+from loragate.adapters.routing import RoutingTable
+from loragate.adapters.store import AdapterStore, StoredAdapter, TamperedAdapterError
+from loragate.adapters.zero_adapter import write_zero_adapter
+from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
+from loragate.supervisor.engine_client import EngineClient, EngineRefused
+
+log = logging.getLogger("loragate.adapters")
+
+ZERO_ADAPTER_NAME = "__base__"
+
+
+@dataclass(frozen=True)
+class PreparedVersion:
+    stored: StoredAdapter
+    source: str
+    revision: str | None
+    fingerprint: str | None
+
+
+Preparer = Callable[[str, str | None], Awaitable[PreparedVersion]]
+
+
+class AdapterError(Exception):
+    """An adapter operation failed; ``status`` is the HTTP status a client should see."""
+
+    def __init__(self, message: str, status: int = 400, code: str = "adapter_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def engine_id(name: str, digest: str) -> str:
+    return f"{name}@{digest[:12]}"
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        *,
+        store: AdapterStore,
+        manifest: Manifest,
+        engine: EngineClient,
+        supervisor: EngineSupervisor,
+        base_name: str,
+        base_config: dict[str, Any],
+        prepare: Preparer,
+        zero_adapter_root: Path | None,
+        drain_timeout: float = 30.0,
+        ready_timeout: float = 900.0,
+    ) -> None:
+        self.store = store
+        self.manifest = manifest
+        self._engine = engine
+        self._supervisor = supervisor
+        self.base_name = base_name
+        self._prepare = prepare
+        self._drain_timeout = drain_timeout
+        self._ready_timeout = ready_timeout
+        self.routes = RoutingTable()
+        self._loaded: set[str] = set()
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.failures: dict[str, str] = {}
+        self.counters: defaultdict[str, int] = defaultdict(int)
+        self.last_load_seconds: float | None = None
+        self._zero_dir: Path | None = None
+        self.base_engine_id = base_name
+        if zero_adapter_root is not None:
+            digest = hashlib.sha256(json.dumps(base_config, sort_keys=True).encode()).hexdigest()
+            self._zero_dir = write_zero_adapter(base_config, zero_adapter_root / digest[:16])
+            self.base_engine_id = engine_id(ZERO_ADAPTER_NAME, digest)
+        self.routes.route(base_name, self.base_engine_id)
+
+    # ----- what the gateway asks -----------------------------------------------------------
+
+    def public_models(self) -> list[str]:
+        return [self.base_name, *sorted(n for n in self.routes.public_names() if n != self.base_name)]
+
+    def acquire(self, public: str) -> str | None:
+        """The engine id serving ``public`` now, leased until ``release``; None if unknown."""
+        return self.routes.acquire(public)
+
+    def release(self, engine_id_: str) -> None:
+        self.routes.release(engine_id_)
+
+    @property
+    def all_loaded(self) -> bool:
+        return not self.failures and all(e in self._loaded for e in self.routes.engine_ids())
+
+    # ----- what the supervisor asks ----------------------------------------------------------
+
+    def boot_modules(self) -> dict[str, Path]:
+        """Engine ids and paths to pass as ``--lora-modules`` at the next boot (verified first)."""
+        modules: dict[str, Path] = {}
+        if self._zero_dir is not None:
+            modules[self.base_engine_id] = self._zero_dir
+        for entry in self.manifest.entries.values():
+            stored = self.store.get(entry.active)
+            if stored is None:
+                continue
+            try:
+                self.store.verify(stored)
+            except TamperedAdapterError as exc:
+                log.error("not loading adapter %s: %s", entry.name, exc)
+                continue
+            modules[engine_id(entry.name, entry.active)] = stored.path
+        return modules
+
+    async def on_engine_ready(self) -> None:
+        """Re-apply the desired state to a freshly booted engine (ready hook)."""
+        served = await self._engine.served_ids()
+        self._loaded = {eid for eid in served if eid != self.base_name}
+        if self._zero_dir is not None and self.base_engine_id not in self._loaded:
+            await self._engine.load_adapter(self.base_engine_id, self._zero_dir)
+            self._loaded.add(self.base_engine_id)
+        for entry in list(self.manifest.entries.values()):
+            eid = engine_id(entry.name, entry.active)
+            try:
+                if eid not in self._loaded:
+                    stored = self._stored(entry.active)
+                    await self._engine.load_adapter(eid, stored.path)
+                    self._loaded.add(eid)
+                self.routes.route(entry.name, eid)
+                self.failures.pop(entry.name, None)
+            except (AdapterError, EngineRefused, EngineUnavailable) as exc:
+                self.failures[entry.name] = str(exc)
+                log.error("could not re-apply adapter %s: %s", entry.name, exc)
+
+    # ----- admin operations -------------------------------------------------------------------
+
+    async def declare(self, name: str, source: str, revision: str | None = None) -> None:
+        """Make ``source`` the desired version of ``name`` before the engine boots (boot adapters)."""
+        self._check_name(name)
+        prepared = await self._prepare(source, revision)
+        entry = self.manifest.entries.get(name)
+        if entry is not None and entry.active == prepared.stored.digest:
+            return
+        self.manifest.entries[name] = ManifestEntry(
+            name=name,
+            active=prepared.stored.digest,
+            previous=entry.active if entry else None,
+            source=source,
+            revision=prepared.revision,
+            fingerprint=prepared.fingerprint,
+        )
+        self.manifest.save()
+
+    async def put(
+        self, name: str, source: str, revision: str | None = None, follow: bool = False
+    ) -> dict[str, Any]:
+        """Add or update ``name`` from ``source``; returns once the new version serves."""
+        self._check_name(name)
+        async with self._locks[name]:
+            try:
+                prepared = await self._prepare(source, revision)
+            except AdapterError:
+                self.counters["load_failures"] += 1
+                raise
+            await self._activate(name, prepared, follow=follow)
+            return self.describe(name)
+
+    async def rollback(self, name: str) -> dict[str, Any]:
+        """Serve the previous version of ``name`` again, with the same guarantees as ``put``."""
+        self._check_name(name)
+        async with self._locks[name]:
+            entry = self.manifest.entries.get(name)
+            if entry is None:
+                raise AdapterError(f"no adapter named {name!r}", status=404, code="adapter_not_found")
+            if entry.previous is None:
+                raise AdapterError(f"adapter {name!r} has no previous version to roll back to", 409)
+            stored = self._stored(entry.previous)
+            prepared = PreparedVersion(
+                stored=stored,
+                source=str(stored.meta.get("source", entry.source)),
+                revision=stored.meta.get("revision"),
+                fingerprint=stored.meta.get("fingerprint"),
+            )
+            await self._activate(name, prepared, follow=entry.follow)
+            return self.describe(name)
+
+    async def remove(self, name: str) -> None:
+        """Stop routing to ``name`` now; unload it once in-flight requests finish. Cache kept."""
+        self._check_name(name)
+        async with self._locks[name]:
+            entry = self.manifest.entries.get(name)
+            if entry is None:
+                raise AdapterError(f"no adapter named {name!r}", status=404, code="adapter_not_found")
+            old = self.routes.drop(name)
+            del self.manifest.entries[name]
+            self.manifest.save()
+            self.failures.pop(name, None)
+            if old is not None:
+                self._retire(name, old)
+
+    def describe(self, name: str) -> dict[str, Any]:
+        entry = self.manifest.entries[name]
+        stored = self.store.get(entry.active)
+        eid = engine_id(name, entry.active)
+        if name in self.failures:
+            state = "failed"
+        elif self.routes.get(name) == eid and eid in self._loaded:
+            state = "ready"
+        else:
+            state = "loading"
+        return {
+            "name": name,
+            "version": entry.active,
+            "previous_version": entry.previous,
+            "source": entry.source,
+            "revision": entry.revision,
+            "follow": entry.follow,
+            "rank": stored.meta.get("rank") if stored else None,
+            "size_bytes": stored.size if stored else None,
+            "state": state,
+            "error": self.failures.get(name),
+            "loaded_at": entry.loaded_at,
+        }
+
+    def list(self) -> list[dict[str, Any]]:
+        return [self.describe(name) for name in sorted(self.manifest.entries)]
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # ----- internals ----------------------------------------------------------------------------
+
+    def _check_name(self, name: str) -> None:
+        try:
+            validate_adapter_name(name)
+        except InvalidAdapterName as exc:
+            raise AdapterError(str(exc), code="invalid_adapter_name") from None
+        if name == self.base_name:
+            raise AdapterError(f"{name!r} is the base model's name; choose another adapter name")
+
+    def _stored(self, digest: str) -> StoredAdapter:
+        stored = self.store.get(digest)
+        if stored is None:
+            raise AdapterError(f"version {digest[:12]} is no longer in the adapter store", 409)
+        try:
+            self.store.verify(stored)
+        except TamperedAdapterError as exc:
+            raise AdapterError(str(exc), status=409, code="adapter_tampered") from None
+        return stored
+
+    async def _activate(self, name: str, prepared: PreparedVersion, follow: bool) -> None:
+        """Load ``prepared`` under its own engine id, flip the route, retire the old version."""
+        digest = prepared.stored.digest
+        eid = engine_id(name, digest)
+        stored = self._stored(digest)
+        try:
+            await self._supervisor.wait_until_serving(self._ready_timeout)
+        except EngineUnavailable as exc:
+            raise AdapterError(str(exc), status=503, code="engine_unavailable") from None
+        started = time.perf_counter()
+        if eid not in self._loaded:
+            try:
+                await self._engine.load_adapter(eid, stored.path)
+            except EngineRefused as exc:
+                self.counters["load_failures"] += 1
+                raise AdapterError(exc.detail, status=400, code="adapter_refused_by_engine") from None
+            self._loaded.add(eid)
+            self.counters["loads"] += 1
+        self.last_load_seconds = time.perf_counter() - started
+        previous_entry = self.manifest.entries.get(name)
+        old_eid = self.routes.get(name) if name in self.routes.public_names() else None
+        if previous_entry is not None and previous_entry.active != digest:
+            previous_digest: str | None = previous_entry.active
+        else:
+            previous_digest = previous_entry.previous if previous_entry else None
+        self.manifest.entries[name] = ManifestEntry(
+            name=name,
+            active=digest,
+            previous=previous_digest,
+            source=prepared.source,
+            revision=prepared.revision,
+            follow=follow,
+            fingerprint=prepared.fingerprint,
+            loaded_at=time.time(),
+        )
+        try:
+            self.manifest.save()
+        except OSError:
+            if previous_entry is None:
+                del self.manifest.entries[name]
+            else:
+                self.manifest.entries[name] = previous_entry
+            raise
+        self.routes.route(name, eid)
+        self.failures.pop(name, None)
+        self.store.touch(stored)
+        if old_eid is not None and old_eid != eid:
+            self.counters["swaps"] += 1
+            self._retire(name, old_eid)
+        self.store.evict(keep=self._protected_digests())
+
+    def _protected_digests(self) -> set[str]:
+        keep: set[str] = set()
+        for entry in self.manifest.entries.values():
+            keep.add(entry.active)
+            if entry.previous:
+                keep.add(entry.previous)
+        return keep
+
+    def _retire(self, name: str, old_eid: str) -> None:
+        task = asyncio.create_task(self._unload_when_drained(name, old_eid))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _unload_when_drained(self, name: str, old_eid: str) -> None:
+        drained = await self.routes.wait_drained(old_eid, self._drain_timeout)
+        if not drained:
+            log.warning("unloading %s with requests still in flight after %.0f s", old_eid, self._drain_timeout)
+        async with self._locks[name]:
+            if old_eid in self.routes.engine_ids() or old_eid not in self._loaded:
+                return  # routed again meanwhile (a swap back), or already gone
+            try:
+                await self._engine.unload_adapter(old_eid)
+            except (EngineRefused, EngineUnavailable, OSError) as exc:
+                log.warning("could not unload %s: %s", old_eid, exc)
+                return
+            self._loaded.discard(old_eid)
+            self.counters["unloads"] += 1

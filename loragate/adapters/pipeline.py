@@ -1,0 +1,69 @@
+"""From a SOURCE string to a validated PEFT adapter in the store: fetch, convert, validate, store.
+
+Runs off the event loop (``asyncio.to_thread``); conversion that needs torch runs in a child
+process, so the gateway process never imports it. Whatever fails leaves nothing in the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loragate.adapters.manager import AdapterError, PreparedVersion
+from loragate.adapters.store import AdapterStore, StoreError
+
+
+@dataclass
+class AdapterPipeline:
+    store: AdapterStore
+    base_dir: Path
+    base_config: dict[str, Any]
+    max_lora_rank: int
+    progress: bool = False
+
+    async def __call__(self, source: str, revision: str | None) -> PreparedVersion:
+        return await asyncio.to_thread(self.prepare, source, revision)
+
+    def prepare(self, source: str, revision: str | None = None) -> PreparedVersion:
+        from loragate.adapters.convert import convert_in_subprocess, detect_format
+        from loragate.adapters.sources import SourceError, fetch_source
+        from loragate.adapters.validate import AdapterRejected, validate_adapter
+
+        work = self.store.work_dir()
+        try:
+            try:
+                fetched = fetch_source(source, work / "fetched", revision=revision, progress=self.progress)
+            except SourceError as exc:
+                raise AdapterError(str(exc), code="adapter_source_error") from None
+            fmt = detect_format(fetched.path)
+            peft_dir = fetched.path
+            if fmt != "peft":
+                peft_dir = work / "converted"
+                try:
+                    convert_in_subprocess(fetched.path, peft_dir, self.base_dir)
+                except Exception as exc:  # the child's message says what was wrong
+                    raise AdapterError(f"could not convert {source}: {exc}", code="adapter_conversion_failed") from None
+            try:
+                facts = validate_adapter(peft_dir, self.base_config, self.max_lora_rank)
+            except AdapterRejected as exc:
+                raise AdapterError(f"adapter from {source} rejected: {exc}", code="adapter_rejected") from None
+            meta = {
+                "source": source,
+                "revision": fetched.revision,
+                "fingerprint": fetched.fingerprint,
+                "format": fmt,
+                "rank": facts.rank,
+                "target_modules": sorted(facts.target_modules),
+            }
+            try:
+                stored = self.store.put_dir(peft_dir, meta)
+            except StoreError as exc:
+                raise AdapterError(str(exc), code="adapter_store_error") from None
+            return PreparedVersion(
+                stored=stored, source=source, revision=fetched.revision, fingerprint=fetched.fingerprint
+            )
+        finally:
+            shutil.rmtree(work, ignore_errors=True)

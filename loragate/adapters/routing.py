@@ -1,0 +1,65 @@
+"""Which engine id serves each public model name right now, and how many requests each holds.
+
+A request leases the engine id its public name maps to when it starts and keeps it until it
+ends, so a swap never moves a request between versions. A retired version is unloaded from
+the engine once its last lease is returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+
+class RoutingTable:
+    def __init__(self) -> None:
+        self._routes: dict[str, str] = {}
+        self._inflight: defaultdict[str, int] = defaultdict(int)
+        self._drained: dict[str, asyncio.Event] = {}
+
+    def route(self, public: str, engine_id: str) -> None:
+        self._routes[public] = engine_id
+
+    def drop(self, public: str) -> str | None:
+        return self._routes.pop(public, None)
+
+    def get(self, public: str) -> str | None:
+        return self._routes.get(public)
+
+    def public_names(self) -> list[str]:
+        return list(self._routes)
+
+    def engine_ids(self) -> set[str]:
+        return set(self._routes.values())
+
+    def acquire(self, public: str) -> str | None:
+        engine_id = self._routes.get(public)
+        if engine_id is not None:
+            self._inflight[engine_id] += 1
+        return engine_id
+
+    def release(self, engine_id: str) -> None:
+        left = self._inflight[engine_id] - 1
+        if left > 0:
+            self._inflight[engine_id] = left
+            return
+        del self._inflight[engine_id]
+        event = self._drained.get(engine_id)
+        if event is not None:
+            event.set()
+
+    def inflight(self, engine_id: str) -> int:
+        return self._inflight.get(engine_id, 0)
+
+    async def wait_drained(self, engine_id: str, timeout: float) -> bool:
+        """Wait until no request holds ``engine_id``; False if ``timeout`` passed first."""
+        if self._inflight.get(engine_id, 0) == 0:
+            return True
+        event = self._drained.setdefault(engine_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._drained.pop(engine_id, None)

@@ -1,0 +1,270 @@
+"""The ``gateway`` (alias ``loragate``) command line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(
+    help="loragate: serve your own fine-tuned LoRA adapters locally, hot-swapped, behind one "
+    "OpenAI-compatible endpoint.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+adapters_app = typer.Typer(help="Manage the adapters of a running gateway (admin API).", no_args_is_help=True)
+app.add_typer(adapters_app, name="adapters")
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+UrlOption = Annotated[str, typer.Option("--url", envvar="LORAGATE_URL", help="The running gateway.")]
+AdminKeyOption = Annotated[
+    str | None, typer.Option("--admin-key", envvar="LORAGATE_ADMIN_KEY", help="The gateway's admin key.")
+]
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "--pretrained-model-name-or-path",
+            help="Base model: a local dir or a Hugging Face id. Default: the bundled demo model.",
+        ),
+    ] = None,
+    model_name: Annotated[str | None, typer.Option(help="The id clients use for the base model.")] = None,
+    run_id: Annotated[str | None, typer.Option(help="Serve a Datature Vi training run.")] = None,
+    secret_key: Annotated[str | None, typer.Option(envvar="DATATURE_VI_SECRET_KEY")] = None,
+    organization_id: Annotated[str | None, typer.Option(envvar="DATATURE_VI_ORGANIZATION_ID")] = None,
+    host: Annotated[str | None, typer.Option(help="Address to listen on [default: 127.0.0.1].")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on [default: 8000].")] = None,
+    lora: Annotated[list[str] | None, typer.Option(help="NAME=SOURCE, served from boot on.")] = None,
+    max_loras: Annotated[int | None, typer.Option(help="Adapters in one batch [default: 2].")] = None,
+    max_lora_rank: Annotated[int | None, typer.Option(help="Largest adapter rank [default: 16].")] = None,
+    max_cpu_loras: Annotated[int | None, typer.Option(help="Engine-side adapter LRU size.")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="Adapters, models, manifest, logs.")] = None,
+    api_key: Annotated[list[str] | None, typer.Option(help="Inference API key (repeatable).")] = None,
+    admin_key: Annotated[str | None, typer.Option(help="Key for the admin routes.")] = None,
+    allowed_media_dir: Annotated[
+        Path | None, typer.Option(help="Requests may read local images from this dir only.")
+    ] = None,
+    config: Annotated[Path | None, typer.Option(help="Settings file (TOML or YAML).")] = None,
+    log_json: Annotated[bool | None, typer.Option("--log-json", help="Log as JSON lines.")] = None,
+) -> None:
+    """Start the engine and the gateway. Arguments after `--` go to the engine untouched."""
+    from loragate.settings import load_settings
+
+    explicit: dict[str, Any] = {
+        "model": model,
+        "model_name": model_name,
+        "run_id": run_id,
+        "secret_key": secret_key,
+        "organization_id": organization_id,
+        "host": host,
+        "port": port,
+        "lora": lora or None,
+        "max_loras": max_loras,
+        "max_lora_rank": max_lora_rank,
+        "max_cpu_loras": max_cpu_loras,
+        "cache_dir": cache_dir,
+        "api_key": api_key or None,
+        "admin_key": admin_key,
+        "allowed_media_dir": allowed_media_dir,
+        "engine_args": list(ctx.args) or None,
+        "log_json": log_json,
+    }
+    try:
+        settings = load_settings(config, **explicit)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+        return
+    from loragate.logs import configure_logging
+
+    configure_logging(settings.log_level, settings.log_json)
+    if settings.engine_command is None:
+        from loragate.supervisor.preflight import run_preflight
+
+        local_model = Path(settings.model) if settings.model and Path(settings.model).is_dir() else None
+        problems = run_preflight(
+            engine_python=settings.engine_python,
+            model_dir=local_model,
+            dtype_bytes=2,
+            host=settings.host,
+            port=settings.port,
+            cache_dir=settings.cache_dir.expanduser(),
+        )
+        if problems:
+            _fail("cannot start:\n  - " + "\n  - ".join(str(p) for p in problems))
+    else:
+        from loragate.supervisor.ports import port_is_free
+
+        if not port_is_free(settings.host, settings.port):
+            _fail(f"port {settings.port} on {settings.host} is already in use; pass --port to choose another")
+    from loragate.gateway.app import AdminKeyRequired, create_app
+
+    try:
+        asgi = create_app(settings)
+    except AdminKeyRequired as exc:
+        _fail(str(exc))
+        return
+    import uvicorn
+
+    uvicorn.run(
+        asgi,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=int(settings.drain_timeout) or None,
+        access_log=False,
+        log_config=None,
+    )
+
+
+def _admin(url: str, admin_key: str | None, method: str, path: str, body: Any = None) -> Any:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    try:
+        response = httpx.request(method, url.rstrip("/") + path, json=body, headers=headers, timeout=None)
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach the gateway at {url}: {exc}")
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = {"message": response.text}
+    if response.status_code >= 400:
+        error = payload.get("error", payload) if isinstance(payload, dict) else payload
+        message = error.get("message", error) if isinstance(error, dict) else error
+        _fail(f"{response.status_code}: {message}")
+    return payload
+
+
+@adapters_app.command("add")
+def adapters_add(
+    name: str,
+    source: str,
+    revision: Annotated[str | None, typer.Option(help="Revision, branch or tag at the source.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", help="Watch the source and swap new versions in.")] = False,
+    url: UrlOption = DEFAULT_URL,
+    admin_key: AdminKeyOption = None,
+) -> None:
+    """Add NAME from SOURCE, or swap in a new version; returns once it serves."""
+    typer.echo(f"Adding {name} from {source} (download, conversion and validation happen on the gateway)...")
+    result = _admin(url, admin_key, "PUT", f"/admin/adapters/{name}", {"source": source, "revision": revision, "follow": follow})
+    typer.echo(f"{result['name']} now serves version {result['version'][:12]} ({result['state']}).")
+
+
+@adapters_app.command("list")
+def adapters_list(url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None) -> None:
+    """Adapters with their active version, size and state."""
+    result = _admin(url, admin_key, "GET", "/admin/adapters")
+    rows = result.get("data", [])
+    if not rows:
+        typer.echo("no adapters")
+        return
+    typer.echo(f"{'NAME':<20} {'VERSION':<13} {'PREVIOUS':<13} {'RANK':>4} {'SIZE':>10} {'STATE':<8} SOURCE")
+    for row in rows:
+        size = row.get("size_bytes") or 0
+        typer.echo(
+            f"{row['name']:<20} {row['version'][:12]:<13} {(row.get('previous_version') or '-')[:12]:<13} "
+            f"{row.get('rank') or '-':>4} {size / 1024:>8.1f}kB {row['state']:<8} {row['source']}"
+        )
+
+
+@adapters_app.command("remove")
+def adapters_remove(name: str, url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None) -> None:
+    """Stop serving NAME (its cached versions stay for a later rollback)."""
+    _admin(url, admin_key, "DELETE", f"/admin/adapters/{name}")
+    typer.echo(f"{name} removed")
+
+
+@adapters_app.command("rollback")
+def adapters_rollback(name: str, url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None) -> None:
+    """Serve NAME's previous version again."""
+    result = _admin(url, admin_key, "POST", f"/admin/adapters/{name}/rollback")
+    typer.echo(f"{name} now serves version {result['version'][:12]}")
+
+
+@adapters_app.command("convert")
+def adapters_convert(
+    source: str,
+    out: Path,
+    base: Annotated[str, typer.Option("--base", help="The base model dir (or HF id) the adapter is for.")],
+) -> None:
+    """Offline: convert any supported adapter format to the PEFT layout vLLM loads."""
+    from loragate.adapters.commands import convert_command
+
+    try:
+        convert_command(source, out, base)
+    except Exception as exc:
+        _fail(str(exc))
+    typer.echo(f"wrote a PEFT adapter to {out}")
+
+
+@app.command()
+def pull(
+    model: str,
+    cache_dir: Annotated[Path | None, typer.Option(help="Cache dir [default: ~/.cache/loragate].")] = None,
+) -> None:
+    """Download a base model into the cache (with progress), for offline serving later."""
+    from loragate.adapters.models import resolve_base_model
+    from loragate.demo.layout import default_cache_dir
+
+    try:
+        path = resolve_base_model(model, (cache_dir or default_cache_dir()).expanduser(), progress=True)
+    except Exception as exc:
+        _fail(str(exc))
+        return
+    typer.echo(f"{model} is cached at {path}")
+
+
+@app.command()
+def status(url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None) -> None:
+    """Engine state, pid, restarts and adapters of a running gateway."""
+    engine = _admin(url, admin_key, "GET", "/admin/engine")
+    adapters = _admin(url, admin_key, "GET", "/admin/adapters")
+    engine.pop("log_tail", None)
+    typer.echo(json.dumps({"engine": engine, "adapters": adapters.get("data", [])}, indent=2))
+
+
+@app.command("systemd-unit")
+def systemd_unit(
+    user_mode: Annotated[bool, typer.Option("--user", help="A unit for `systemctl --user`.")] = False,
+    environment_file: Annotated[Path | None, typer.Option(help="EnvironmentFile= for LORAGATE_* settings.")] = None,
+) -> None:
+    """Print a Type=notify systemd unit that runs `gateway serve` from this install."""
+    from loragate.supervisor.systemd_unit import default_exec_start, render_unit
+
+    env_file = environment_file or (
+        Path("~/.config/loragate/env").expanduser() if user_mode else Path("/etc/loragate/env")
+    )
+    typer.echo(
+        render_unit(
+            exec_start=default_exec_start(),
+            working_directory=Path.cwd(),
+            user=None if user_mode else os.environ.get("SUDO_USER") or os.environ.get("USER"),
+            environment_file=env_file,
+            user_mode=user_mode,
+        ),
+        nl=False,
+    )
+
+
+def main() -> None:
+    logging.captureWarnings(True)
+    app(prog_name=Path(sys.argv[0]).name if sys.argv else "gateway")
+
+
+if __name__ == "__main__":
+    main()

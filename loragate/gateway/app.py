@@ -1,0 +1,100 @@
+"""``create_app``: the FastAPI application, its routes, error shapes and life cycle."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from loragate.gateway import routes_admin, routes_health, routes_inference
+from loragate.gateway.backend import GatewayBackend
+from loragate.gateway.errors import install_error_handlers
+from loragate.gateway.runtime import Gateway
+from loragate.settings import Settings
+
+log = logging.getLogger("loragate.gateway")
+
+_SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+]
+
+
+class SecurityHeaders:
+    """Adds a few defensive headers to every response (pure ASGI: no per-request object churn)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *_SECURITY_HEADERS]
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class AdminKeyRequired(RuntimeError):
+    pass
+
+
+def create_app(settings: Settings, backend: GatewayBackend | None = None) -> FastAPI:
+    """Build the gateway app. Without ``backend``, it supervises a vLLM engine itself."""
+    if settings.admin_key is None and not is_loopback(settings.host):
+        raise AdminKeyRequired(
+            f"the gateway listens on {settings.host}, beyond loopback, but no admin key is set: "
+            "pass --admin-key KEY (or LORAGATE_ADMIN_KEY) so nobody else can change adapters"
+        )
+    if backend is None:
+        from loragate.gateway.engine_backend import SupervisedEngineBackend
+
+        backend = SupervisedEngineBackend(settings)
+    gateway = Gateway(settings, backend)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.admin_key is None:
+            log.warning("admin routes are open without a key (the gateway listens on loopback only)")
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.stop()
+
+    docs: dict[str, Any] = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="loragate", version="0.1.0", lifespan=lifespan, **docs)
+    app.state.gateway = gateway
+    install_error_handlers(app)
+    app.include_router(routes_health.router)
+    app.include_router(routes_inference.router)
+    app.include_router(routes_admin.router)
+    app.add_middleware(SecurityHeaders)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "PUT", "DELETE", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
+        )
+    return app

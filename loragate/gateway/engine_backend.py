@@ -1,0 +1,289 @@
+"""The bundled backend: a supervised vLLM engine with managed, hot-swappable adapters.
+
+It wires the three parts together: the supervisor runs the engine, the adapter manager owns
+what the engine serves and the routing table, and the proxy carries requests. Start-up work
+that can take a while (building the demo, downloading a model, preparing boot adapters) runs
+in the background so ``/health`` answers "starting" meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+from loragate.adapters.manager import AdapterError, AdapterManager
+from loragate.adapters.manifest import Manifest
+from loragate.adapters.pipeline import AdapterPipeline
+from loragate.adapters.store import AdapterStore
+from loragate.demo.layout import DEMO_ADAPTERS, demo_adapter_dir, demo_base_dir, ensure_demo
+from loragate.gateway.errors import OpenAIError
+from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable
+from loragate.settings import Settings
+from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable, SupervisorTimings
+from loragate.supervisor.engine_client import EngineClient
+from loragate.supervisor.engine_command import EngineSpec, is_cpu_build
+from loragate.supervisor.pidfile import GatewayLock
+from loragate.supervisor.sd_notify import SystemdNotifier, watchdog_loop
+from loragate.supervisor.states import EngineState
+
+log = logging.getLogger("loragate.gateway")
+
+
+def timings_from(settings: Settings) -> SupervisorTimings:
+    return SupervisorTimings(
+        startup_timeout=settings.startup_timeout,
+        probe_interval=settings.probe_interval,
+        probe_timeout=settings.probe_timeout,
+        probe_failures=settings.probe_failures,
+        deep_probe=settings.deep_probe,
+        restart_backoff=settings.restart_backoff,
+        restart_backoff_max=settings.restart_backoff_max,
+        crash_loop_limit=settings.crash_loop_limit,
+        crash_loop_window=settings.crash_loop_window,
+        stop_timeout=settings.stop_timeout,
+    )
+
+
+def parse_lora_flag(value: str) -> tuple[str, str]:
+    name, sep, source = value.partition("=")
+    if not sep or not name or not source:
+        raise ValueError(f"--lora expects NAME=SOURCE, got {value!r}")
+    return name.strip(), source.strip()
+
+
+class SupervisedEngineBackend:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.cache_dir = settings.cache_dir.expanduser().resolve()
+        self.base_name = settings.served_model_name
+        self.supervisor = EngineSupervisor(
+            self._engine_spec, cache_dir=self.cache_dir, timings=timings_from(settings)
+        )
+        self.supervisor.queue_size = settings.queue_size
+        self.engine = EngineClient(self.supervisor)
+        self.proxy = ProxyClient()
+        self.manager: AdapterManager | None = None
+        self.model_dir: Path | None = None
+        self.zero_adapter = False
+        self._lock = GatewayLock(self.cache_dir)
+        self._prepared = asyncio.Event()
+        self._prepare_error: str | None = None
+        self._bootstrap_task: asyncio.Task[None] | None = None
+        self._extra_engine_args: list[str] = []
+        self._engine_env: dict[str, str] = {}
+        self._notifier = SystemdNotifier()
+        self._watchdog: asyncio.Task[None] | None = None
+        self.supervisor.add_listener(self._tell_systemd)
+
+    # ----- life cycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._lock.acquire()
+        self._bootstrap_task = asyncio.create_task(self._bootstrap(), name="engine-bootstrap")
+        if self._notifier.watchdog_interval is not None:
+            # The gateway's event loop answering is what systemd's watchdog checks.
+            self._watchdog = asyncio.create_task(watchdog_loop(self._notifier, lambda: True))
+
+    async def stop(self) -> None:
+        self._notifier.stopping()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._bootstrap_task is not None and not self._bootstrap_task.done():
+            self._bootstrap_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._bootstrap_task
+        if self.manager is not None:
+            await self.manager.aclose()
+        await self.supervisor.stop()
+        await self.engine.aclose()
+        await self.proxy.aclose()
+        self._lock.release()
+
+    def _tell_systemd(self, state: EngineState, reason: str) -> None:
+        self._notifier.status(f"engine {state}: {reason}"[:200])
+        if state == EngineState.READY:
+            self._notifier.ready()
+
+    async def _bootstrap(self) -> None:
+        try:
+            await self._prepare()
+        except Exception as exc:
+            self._prepare_error = f"could not prepare the model and adapters: {exc}"
+            log.error(self._prepare_error)
+            self._prepared.set()
+            return
+        self._prepared.set()
+        assert self.manager is not None
+        self.supervisor.add_ready_hook(self.manager.on_engine_ready)
+        await self.supervisor.start()
+
+    async def _prepare(self) -> None:
+        settings = self.settings
+        boot_loras = [parse_lora_flag(value) for value in settings.lora]
+        if settings.model is None:
+            demo = await asyncio.to_thread(ensure_demo, None, settings.engine_python)
+            self.model_dir = demo_base_dir(demo)
+            boot_loras = [(a.name, str(demo_adapter_dir(demo, a.name))) for a in DEMO_ADAPTERS] + boot_loras
+            self._engine_env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+            if not any(arg.startswith("--dtype") for arg in settings.engine_args):
+                self._extra_engine_args = ["--dtype", "float32"]
+        else:
+            from loragate.adapters.models import resolve_base_model
+
+            self.model_dir = await asyncio.to_thread(resolve_base_model, settings.model, self.cache_dir)
+        base_config = json.loads((self.model_dir / "config.json").read_text())
+        self.zero_adapter = settings.base_routing == "zero-adapter" or (
+            settings.base_routing == "auto" and is_cpu_build(settings.engine_python)
+        )
+        adapters_root = self.cache_dir / "adapters"
+        store = AdapterStore(adapters_root, max_bytes=settings.store_max_bytes)
+        model_key = hashlib.sha256(str(self.model_dir).encode()).hexdigest()[:16]
+        manifest = Manifest(adapters_root / "manifests" / f"{model_key}.json").load()
+        pipeline = AdapterPipeline(
+            store=store,
+            base_dir=self.model_dir,
+            base_config=base_config,
+            max_lora_rank=settings.max_lora_rank,
+        )
+        self.manager = AdapterManager(
+            store=store,
+            manifest=manifest,
+            engine=self.engine,
+            supervisor=self.supervisor,
+            base_name=self.base_name,
+            base_config=base_config,
+            prepare=pipeline,
+            zero_adapter_root=adapters_root / "zero" if self.zero_adapter else None,
+            drain_timeout=settings.drain_timeout,
+            ready_timeout=settings.queue_deadline,
+        )
+        for name, source in boot_loras:
+            await self.manager.declare(name, source)
+
+    def _engine_spec(self, port: int, api_key: str) -> EngineSpec:
+        assert self.model_dir is not None and self.manager is not None
+        settings = self.settings
+        return EngineSpec(
+            model=str(self.model_dir),
+            served_name=self.base_name,
+            port=port,
+            api_key=api_key,
+            # One more slot for the zero adapter, so base requests batch with N adapters.
+            max_loras=settings.max_loras + (1 if self.zero_adapter else 0),
+            max_lora_rank=settings.max_lora_rank,
+            max_cpu_loras=settings.max_cpu_loras,
+            lora_modules=self.manager.boot_modules(),
+            extra_args=self._extra_engine_args + list(settings.engine_args),
+            python=settings.engine_python,
+            command=settings.engine_command,
+            env=self._engine_env,
+        )
+
+    # ----- what the routes ask --------------------------------------------------------------
+
+    def model_ids(self) -> list[str]:
+        if self.manager is None:
+            return [self.base_name]
+        return self.manager.public_models()
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        state = self.supervisor.state
+        if self._prepare_error is not None:
+            return False, {"status": "failed", "reason": self._prepare_error}
+        if self.manager is None or (state == EngineState.STOPPED and not self._prepared.is_set()):
+            return False, {"status": "starting", "reason": "preparing the model and adapters"}
+        body: dict[str, Any] = {
+            "status": str(state),
+            "reason": self.supervisor.reason,
+            "models": self.model_ids(),
+        }
+        if self.supervisor.serving and self.manager.all_loaded:
+            return True, {"status": "ok", "models": self.model_ids()}
+        if self.supervisor.serving:
+            body["status"] = "starting" if state == EngineState.READY else str(state)
+            body["reason"] = "adapters not loaded: " + "; ".join(
+                f"{name}: {error}" for name, error in self.manager.failures.items()
+            ) if self.manager.failures else "loading adapters"
+        return False, body
+
+    async def _wait_for_engine(self, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if not self._prepared.is_set():
+            try:
+                await asyncio.wait_for(self._prepared.wait(), max(0.0, remaining))
+            except TimeoutError:
+                raise OpenAIError(
+                    503, "the gateway is still preparing the model; retry shortly",
+                    code="engine_starting", headers={"Retry-After": "10"},
+                ) from None
+        if self._prepare_error is not None:
+            raise OpenAIError(503, self._prepare_error, code="engine_failed")
+        try:
+            await self.supervisor.wait_until_serving(max(0.0, deadline - time.monotonic()))
+        except EngineUnavailable as exc:
+            raise OpenAIError(
+                503, str(exc), code="engine_unavailable", headers={"Retry-After": str(exc.retry_after)}
+            ) from None
+
+    async def forward(
+        self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
+    ) -> Response:
+        deadline = time.monotonic() + self.settings.queue_deadline
+        while True:
+            await self._wait_for_engine(deadline)
+            manager, endpoint = self.manager, self.supervisor.endpoint
+            assert manager is not None and endpoint is not None
+            engine_id = manager.acquire(public_model)
+            if engine_id is None:
+                raise model_not_found(public_model, self.model_ids())
+            payload["model"] = engine_id
+            headers = {
+                "Authorization": f"Bearer {endpoint.api_key}",
+                "Content-Type": "application/json",
+                "X-Request-Id": request_id,
+            }
+            try:
+                return await self.proxy.forward(
+                    endpoint.base_url + path,
+                    orjson.dumps(payload),
+                    headers,
+                    stream=stream,
+                    rename=Rename.of(engine_id, public_model),
+                    on_done=functools.partial(manager.release, engine_id),
+                    response_headers={"X-Request-ID": request_id},
+                )
+            except UpstreamUnreachable:
+                # Never reached the engine: it died just now. Wait for the restart and resend.
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    # ----- admin ------------------------------------------------------------------------------
+
+    def require_manager(self) -> AdapterManager:
+        if self.manager is None:
+            raise OpenAIError(503, "the gateway is still starting", code="engine_starting")
+        return self.manager
+
+
+def model_not_found(model: str, valid: list[str]) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist. Valid models: {', '.join(valid)}",
+        code="model_not_found",
+        param="model",
+    )
+
+
+__all__ = ["AdapterError", "SupervisedEngineBackend", "model_not_found"]

@@ -1,0 +1,42 @@
+"""Reading and checking a JSON request body before anything reaches a backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+
+from loragate.gateway.errors import OpenAIError
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 past ``max_bytes``, 400 for anything that is not one."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw:
+        raise OpenAIError(400, "The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise OpenAIError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _too_large(max_bytes: int) -> OpenAIError:
+    return OpenAIError(
+        413,
+        f"The request body is larger than {max_bytes} bytes (--max-body-bytes).",
+        code="request_too_large",
+    )

@@ -1,0 +1,116 @@
+"""Admin routes: adapters (add, swap, remove, roll back) and the engine (state, restart)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+from starlette.responses import JSONResponse, Response
+
+from loragate.adapters.manager import AdapterError, AdapterManager
+from loragate.gateway.engine_backend import SupervisedEngineBackend
+from loragate.gateway.errors import OpenAIError
+from loragate.gateway.request_body import read_json_object
+from loragate.gateway.runtime import Gateway
+
+router = APIRouter()
+
+
+class AdapterRequest(BaseModel):
+    source: str = Field(description="Local dir or archive, hf://ORG/REPO[@REV][/SUBDIR], https://…, tinker://…")
+    revision: str | None = None
+    follow: bool = False
+
+
+def _engine_backend(request: Request) -> SupervisedEngineBackend:
+    gateway: Gateway = request.app.state.gateway
+    gateway.keys.check_admin(request)
+    backend = gateway.backend
+    if not isinstance(backend, SupervisedEngineBackend):
+        raise OpenAIError(404, "This gateway's backend has no managed engine or adapters.", code="not_supported")
+    return backend
+
+
+def _manager(request: Request) -> AdapterManager:
+    return _engine_backend(request).require_manager()
+
+
+def _fail(exc: AdapterError) -> OpenAIError:
+    return OpenAIError(exc.status, str(exc), code=exc.code)
+
+
+@router.get("/admin/adapters")
+async def list_adapters(request: Request) -> dict[str, Any]:
+    manager = _manager(request)
+    return {"object": "list", "base_model": manager.base_name, "data": manager.list()}
+
+
+@router.put("/admin/adapters/{name}")
+async def put_adapter(name: str, body: AdapterRequest, request: Request) -> dict[str, Any]:
+    manager = _manager(request)
+    try:
+        return await manager.put(name, body.source, body.revision, body.follow)
+    except AdapterError as exc:
+        raise _fail(exc) from None
+
+
+@router.delete("/admin/adapters/{name}")
+async def delete_adapter(name: str, request: Request) -> dict[str, Any]:
+    manager = _manager(request)
+    try:
+        await manager.remove(name)
+    except AdapterError as exc:
+        raise _fail(exc) from None
+    return {"name": name, "deleted": True}
+
+
+@router.post("/admin/adapters/{name}/rollback")
+async def rollback_adapter(name: str, request: Request) -> dict[str, Any]:
+    manager = _manager(request)
+    try:
+        return await manager.rollback(name)
+    except AdapterError as exc:
+        raise _fail(exc) from None
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Response:
+    """vLLM-compatible: goes through the manager (store, validation, versioned swap)."""
+    manager = _manager(request)
+    body = await read_json_object(request, 1 << 20)
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not isinstance(path, str):
+        raise OpenAIError(400, "send {'lora_name': NAME, 'lora_path': SOURCE}", code="invalid_request")
+    try:
+        await manager.put(name, path)
+    except AdapterError as exc:
+        raise _fail(exc) from None
+    return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> Response:
+    manager = _manager(request)
+    body = await read_json_object(request, 1 << 20)
+    name = body.get("lora_name")
+    if not isinstance(name, str):
+        raise OpenAIError(400, "send {'lora_name': NAME}", code="invalid_request")
+    try:
+        await manager.remove(name)
+    except AdapterError as exc:
+        raise _fail(exc) from None
+    return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+
+@router.get("/admin/engine")
+async def engine_info(request: Request) -> dict[str, Any]:
+    backend = _engine_backend(request)
+    return backend.supervisor.info()
+
+
+@router.post("/admin/engine/restart")
+async def engine_restart(request: Request) -> JSONResponse:
+    backend = _engine_backend(request)
+    await backend.supervisor.restart()
+    return JSONResponse({"restarting": True, "state": str(backend.supervisor.state)}, status_code=202)

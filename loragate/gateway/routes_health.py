@@ -1,0 +1,28 @@
+"""Health routes: readiness (engine and adapters) and liveness (this process)."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from loragate.gateway.runtime import Gateway
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    ready, body = gateway.backend.health()
+    return Response(
+        orjson.dumps(body),
+        status_code=200 if ready else 503,
+        media_type="application/json",
+        headers={} if ready else {"Retry-After": "5"},
+    )
+
+
+@router.get("/health/live")
+async def live() -> Response:
+    return Response(b'{"status":"ok"}', media_type="application/json")

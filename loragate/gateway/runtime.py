@@ -1,0 +1,40 @@
+"""The gateway's runtime: settings, keys and the backend, shared by every route."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from loragate.gateway.auth import KeyChecker
+from loragate.gateway.backend import GatewayBackend
+from loragate.gateway.chat_request import normalize_chat_request
+from loragate.gateway.errors import OpenAIError
+from loragate.settings import Settings
+
+
+class Gateway:
+    def __init__(self, settings: Settings, backend: GatewayBackend) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.keys = KeyChecker(settings.inference_keys(), settings.admin_key)
+        self.started_at = time.time()
+
+    async def chat_request(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Check a chat request and bring it to OpenAI's shape (Vi requests included)."""
+        payload = await normalize_chat_request(payload, self.settings)
+        self.check_generation_limits(payload)
+        return payload
+
+    def check_generation_limits(self, payload: dict[str, Any]) -> None:
+        cap = self.settings.max_tokens_cap
+        for field in ("max_tokens", "max_completion_tokens"):
+            value = payload.get(field)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise OpenAIError(400, f"'{field}' must be a positive integer", param=field, code="invalid_value")
+            if cap is not None and value > cap:
+                raise OpenAIError(
+                    400, f"'{field}' is {value}, above this gateway's cap of {cap} (--max-tokens-cap)",
+                    param=field, code="max_tokens_too_large",
+                )

