@@ -28,19 +28,27 @@ class AdapterPipeline:
         return await asyncio.to_thread(self.prepare, source, revision)
 
     def prepare(self, source: str, revision: str | None = None) -> PreparedVersion:
-        from loragate.adapters.convert import convert_in_subprocess, detect_format
+        from loragate.adapters.convert import convert_in_subprocess, detect_format, needs_conversion
         from loragate.adapters.sources import SourceError, fetch_source
         from loragate.adapters.validate import AdapterRejected, validate_adapter
 
         work = self.store.work_dir()
         try:
             try:
-                fetched = fetch_source(source, work / "fetched", revision=revision, progress=self.progress)
+                fetched = fetch_source(
+                    source,
+                    work / "fetched",
+                    revision=revision,
+                    progress=self.progress,
+                    # Outside the per-attempt work dir, so an interrupted download resumes.
+                    download_dir=self.store.root / "downloads",
+                    hf_cache_dir=self.store.root / "hf",
+                )
             except SourceError as exc:
                 raise AdapterError(str(exc), code="adapter_source_error") from None
             fmt = detect_format(fetched.path)
             peft_dir = fetched.path
-            if fmt != "peft":
+            if needs_conversion(fetched.path):
                 peft_dir = work / "converted"
                 try:
                     convert_in_subprocess(fetched.path, peft_dir, self.base_dir)

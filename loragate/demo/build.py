@@ -10,6 +10,7 @@ and peft (the engine and ``convert`` extras); the gateway itself never imports t
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import random
@@ -41,11 +42,9 @@ SEED = 1234
 
 
 def recipe_hash() -> str:
-    """Hash of this recipe and the demo's declared layout: a change in either rebuilds."""
-    here = Path(__file__).parent
-    digest = hashlib.sha256()
-    for name in ("build.py", "layout.py"):
-        digest.update((here / name).read_bytes())
+    """Hash of this recipe and the adapters it trains: a change in either rebuilds."""
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest.update(repr((BASE_DIRNAME, DEMO_ADAPTERS)).encode())
     return digest.hexdigest()
 
 
@@ -177,12 +176,25 @@ def _train_adapter(base_dir: Path, tokenizer: Any, phrase: str, out: Path) -> No
 
 
 def build(out: Path) -> Path:
-    """Build the demo into ``out`` unless it is already current; returns ``out``."""
+    """Build the demo into ``out`` unless it is already current; returns ``out``.
+
+    Concurrent callers (a test run and a gateway, say) wait for one build instead of racing.
+    """
     if is_current(out):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f".{out.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_current(out):
+            return out
+        return _build(out)
+
+
+def _build(out: Path) -> Path:
     import torch
 
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    # One thread: the model is tiny, and OpenMP threads spin-wait badly beside a busy engine.
+    torch.set_num_threads(1)
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"Building the loragate demo model and adapters into {out} ...", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=out.parent))

@@ -84,6 +84,7 @@ class SupervisorTimings:
     restart_backoff_max: float = 30.0
     crash_loop_limit: int = 3
     crash_loop_window: float = 600.0
+    stable_after: float = 120.0
     stop_timeout: float = 20.0
 
 
@@ -102,12 +103,18 @@ class _BootFailed(Exception):
 _ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b:")
 
 
-def summarize_failure(lines: list[str]) -> str:
-    """The most telling line of an engine log tail: the last ``SomethingError: ...`` line."""
-    for line in reversed(lines):
-        if _ERROR_LINE.search(line):
-            return line.strip()
-    return lines[-1].strip() if lines else "no output"
+def summarize_failure(lines: list[str], limit: int = 600) -> str:
+    """The most telling part of an engine log tail: the last ``SomethingError: ...`` line, with
+    the indented lines that continue it (pydantic puts the actual reason there)."""
+    for index in range(len(lines) - 1, -1, -1):
+        if _ERROR_LINE.search(lines[index]):
+            parts = [lines[index].strip()]
+            for follow in lines[index + 1 : index + 3]:
+                if follow.startswith((" ", "\t")):
+                    parts.append(follow.strip())
+            text = " ".join(parts)
+            return text if len(text) <= limit else text[: limit - 3] + "..."
+    return lines[-1].strip()[:limit] if lines else "no output"
 
 
 class EngineSupervisor:
@@ -142,6 +149,7 @@ class EngineSupervisor:
         self._life_task: asyncio.Task[None] | None = None
         self._probe_client: httpx.AsyncClient | None = None
         self._served_name = ""
+        self._ready_since: float | None = None
         self.waiting = 0
         self.queue_size = 256
 
@@ -250,6 +258,17 @@ class EngineSupervisor:
     # ----- the life cycle ----------------------------------------------------------------
 
     async def _life(self) -> None:
+        try:
+            await self._supervise()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not leave a dead supervisor claiming "ready"
+            log.exception("engine supervision failed")
+            with contextlib.suppress(Exception):
+                await self._terminate(graceful=False)
+            self._force_state(EngineState.FAILED, f"supervisor error: {exc!r}")
+
+    async def _supervise(self) -> None:
         reason = "gateway started"
         while True:
             try:
@@ -267,9 +286,13 @@ class EngineSupervisor:
 
     async def _after_failure(self, reason: str) -> None:
         now = time.monotonic()
+        if self._ready_since is not None and now - self._ready_since >= self.timings.stable_after:
+            self._failures.clear()  # it ran fine for a while: this is no crash loop
+        self._ready_since = None
         self._failures.append(now)
         while self._failures and now - self._failures[0] > self.timings.crash_loop_window:
             self._failures.popleft()
+        self._transition(EngineState.RESTARTING, reason)
         if len(self._failures) >= self.timings.crash_loop_limit:
             lines = tail_lines(self.log_path, 20)
             self._transition(
@@ -287,7 +310,8 @@ class EngineSupervisor:
             self.timings.restart_backoff_max,
         )
         delay *= random.uniform(0.8, 1.2)
-        self._transition(EngineState.RESTARTING, f"{reason}; restarting in {delay:.1f} s")
+        self.reason = f"{reason}; restarting in {delay:.1f} s"
+        log.info("engine restarts in %.1f s", delay)
         self.restarts += 1
         await asyncio.sleep(delay)
 
@@ -312,6 +336,7 @@ class EngineSupervisor:
         for hook in self._ready_hooks:
             await hook()
         self._transition(EngineState.READY, "engine answers /health")
+        self._ready_since = time.monotonic()
 
     async def _watch(self) -> str:
         """Watch a ready engine until it exits or hangs; returns why it must restart."""
@@ -421,6 +446,9 @@ class EngineSupervisor:
 
     def _transition(self, target: EngineState, reason: str) -> None:
         check_transition(self.state, target)
+        self._force_state(target, reason)
+
+    def _force_state(self, target: EngineState, reason: str) -> None:
         log.info("engine %s -> %s: %s", self.state, target, reason)
         self.state = target
         self.reason = reason

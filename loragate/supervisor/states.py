@@ -34,7 +34,7 @@ TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
         {EngineState.READY, EngineState.RESTARTING, EngineState.STOPPING}
     ),
     EngineState.RESTARTING: frozenset(
-        {EngineState.STARTING, EngineState.FAILED, EngineState.STOPPING}
+        {EngineState.STARTING, EngineState.RESTARTING, EngineState.FAILED, EngineState.STOPPING}
     ),
     EngineState.FAILED: frozenset({EngineState.STARTING, EngineState.STOPPING}),
     EngineState.STOPPING: frozenset({EngineState.STOPPED}),

@@ -1,0 +1,89 @@
+"""The base model: a local directory, or a Hugging Face id downloaded once into the cache."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from loragate.adapters.sources import hf_progress_class, hf_token
+
+MODELS_DIRNAME = "models"
+
+
+class BaseModelError(ValueError):
+    """The base model cannot be found or read; the message says what to do."""
+
+
+def _looks_like_path(model: str) -> bool:
+    # Hugging Face ids are "name" or "org/name"; anything else is meant as a directory.
+    return model.startswith(("/", ".", "~")) or model.count("/") > 1
+
+
+def resolve_base_model(
+    model: str, cache_dir: Path, progress: bool = True, revision: str | None = None
+) -> Path:
+    """The local directory of base model ``model`` (a directory, or a Hugging Face id).
+
+    A Hugging Face id is downloaded with ``snapshot_download`` into ``cache_dir/models/``
+    the first time; later calls, and any call under ``HF_HUB_OFFLINE=1``, use that copy
+    without touching the network. ``HF_TOKEN`` is honoured for gated models.
+    """
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local.resolve()
+    if _looks_like_path(model):
+        raise BaseModelError(
+            f"base model directory {model} does not exist; pass an existing directory or a "
+            "Hugging Face id such as Org/Model"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    hub_cache = cache_dir / MODELS_DIRNAME
+    hub_cache.mkdir(parents=True, exist_ok=True)
+    try:
+        # A copy in the cache wins: serving must not depend on the hub being reachable.
+        return Path(
+            snapshot_download(model, revision=revision, cache_dir=hub_cache, local_files_only=True)
+        )
+    except LocalEntryNotFoundError:
+        if _offline():
+            raise BaseModelError(
+                f"base model {model} is not in the cache {hub_cache} and HF_HUB_OFFLINE is set; "
+                f"run `gateway pull {model}` with network access first"
+            ) from None
+    try:
+        path = snapshot_download(
+            model,
+            revision=revision,
+            cache_dir=hub_cache,
+            token=hf_token(),
+            tqdm_class=hf_progress_class(progress),
+        )
+    except Exception as exc:  # the hub raises many kinds: auth, not found, network
+        raise BaseModelError(
+            f"cannot download base model {model} from Hugging Face: {exc}"
+        ) from exc
+    return Path(path)
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def read_base_config(model_dir: Path) -> dict[str, Any]:
+    """The base model's ``config.json`` as a dict."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise BaseModelError(
+            f"{model_dir} has no config.json: it is not a Hugging Face model directory"
+        )
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BaseModelError(f"{path} is not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise BaseModelError(f"{path} must hold a JSON object")
+    return config

@@ -1,0 +1,127 @@
+"""The gateway's own life: systemd notifications, SIGKILL without orphans, SIGTERM that drains."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import PHRASES
+from tests.gateway_process import GatewayProcess, wait_gone
+
+pytestmark = [pytest.mark.engine, pytest.mark.restarts]
+
+
+class NotifySocket:
+    """A real AF_UNIX datagram socket standing in for systemd's NOTIFY_SOCKET."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+
+    def drain(self) -> list[str]:
+        while True:
+            try:
+                self.messages.append(self.sock.recv(65536).decode())
+            except TimeoutError:
+                return self.messages
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in m for m in self.drain()):
+                return
+        raise TimeoutError(f"no {text!r} among {self.messages}")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lifecycle-cache")
+
+
+@pytest.fixture()
+def notify(tmp_path: Path) -> Iterator[NotifySocket]:
+    sock = NotifySocket(tmp_path / "notify.sock")
+    yield sock
+    sock.sock.close()
+
+
+def test_gateway_killed_with_sigkill_leaves_no_engine_process(
+    demo_dir: Path, cache_dir: Path, notify: NotifySocket
+) -> None:
+    process = GatewayProcess(cache_dir=cache_dir, env={"NOTIFY_SOCKET": str(notify.path)}).start()
+    try:
+        process.wait_ready()
+        notify.wait_for("READY=1")
+        statuses = [m for m in notify.messages if m.startswith("STATUS=")]
+        assert statuses[0].startswith("STATUS=engine starting")
+        ready_at = notify.messages.index("READY=1")
+        assert any(m.startswith("STATUS=engine ready") for m in notify.messages[:ready_at])
+
+        # A runtime adapter, to be served again by the next gateway on this cache dir.
+        put = process.admin(
+            "PUT", "/admin/adapters/second-owl", json={"source": str(demo_dir / "adapters" / "owl")}
+        )
+        assert put.status_code == 200, put.text
+
+        tree = process.engine_tree_pids()
+        assert len(tree) >= 4, tree  # launcher, API server, EngineCore, Worker
+        process.signal(signal.SIGKILL)
+        assert process.proc is not None
+        process.proc.wait(10)
+        assert wait_gone(tree, timeout=30) == []
+    finally:
+        process.stop()
+
+
+def test_new_gateway_on_the_same_cache_dir_starts_cleanly_and_serves_runtime_adapters(
+    demo_dir: Path, cache_dir: Path, notify: NotifySocket
+) -> None:
+    process = GatewayProcess(cache_dir=cache_dir, env={"NOTIFY_SOCKET": str(notify.path)}).start()
+    try:
+        process.wait_ready()
+        answer = httpx.post(
+            f"{process.url}/v1/chat/completions",
+            json={
+                "model": "second-owl",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 16,
+            },
+            timeout=120,
+        )
+        assert answer.status_code == 200
+        assert PHRASES["owl"] in answer.json()["choices"][0]["message"]["content"]
+
+        # SIGTERM with a request in flight: the request completes, then everything exits.
+        tree = process.engine_tree_pids()
+        long_request = {
+            "model": "pong",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 400,
+            "ignore_eos": True,
+        }
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(
+                httpx.post, f"{process.url}/v1/chat/completions", json=long_request, timeout=120
+            )
+            time.sleep(0.3)
+            process.signal(signal.SIGTERM)
+            response = pending.result()
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 400
+        assert process.proc is not None
+        # uvicorn re-raises the signal after its clean shutdown; systemd counts that as success.
+        assert process.proc.wait(60) in (0, -signal.SIGTERM)
+        assert wait_gone(tree, timeout=30) == []
+        notify.wait_for("STOPPING=1", timeout=5)
+    finally:
+        process.stop()
