@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loragate.adapters.follow import AdapterFollower
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
 from loragate.adapters.routing import RoutingTable
@@ -73,6 +74,7 @@ class AdapterManager:
         zero_adapter_root: Path | None,
         drain_timeout: float = 30.0,
         ready_timeout: float = 900.0,
+        follow_interval: float = 30.0,
     ) -> None:
         self.store = store
         self.manifest = manifest
@@ -96,6 +98,7 @@ class AdapterManager:
             self._zero_dir = write_zero_adapter(base_config, zero_adapter_root / digest[:16])
             self.base_engine_id = engine_id(ZERO_ADAPTER_NAME, digest)
         self.routes.route(base_name, self.base_engine_id)
+        self.follower = AdapterFollower(self, follow_interval)
 
     # ----- what the gateway asks -----------------------------------------------------------
 
@@ -183,7 +186,8 @@ class AdapterManager:
                 self.counters["load_failures"] += 1
                 raise
             await self._activate(name, prepared, follow=follow)
-            return self.describe(name)
+        self.follower.sync()
+        return self.describe(name)
 
     async def rollback(self, name: str) -> dict[str, Any]:
         """Serve the previous version of ``name`` again, with the same guarantees as ``put``."""
@@ -217,6 +221,7 @@ class AdapterManager:
             self.failures.pop(name, None)
             if old is not None:
                 self._retire(name, old)
+        self.follower.sync()
 
     def describe(self, name: str) -> dict[str, Any]:
         entry = self.manifest.entries[name]
@@ -239,6 +244,7 @@ class AdapterManager:
             "size_bytes": stored.size if stored else None,
             "state": state,
             "error": self.failures.get(name),
+            "follow_error": self.follower.error(name),
             "loaded_at": entry.loaded_at,
         }
 
@@ -246,6 +252,7 @@ class AdapterManager:
         return [self.describe(name) for name in sorted(self.manifest.entries)]
 
     async def aclose(self) -> None:
+        await self.follower.aclose()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):

@@ -46,18 +46,19 @@ class AdapterPipeline:
                 )
             except SourceError as exc:
                 raise AdapterError(str(exc), code="adapter_source_error") from None
-            fmt = detect_format(fetched.path)
             peft_dir = fetched.path
-            if needs_conversion(fetched.path):
-                peft_dir = work / "converted"
-                try:
-                    convert_in_subprocess(fetched.path, peft_dir, self.base_dir)
-                except Exception as exc:  # the child's message says what was wrong
-                    raise AdapterError(f"could not convert {source}: {exc}", code="adapter_conversion_failed") from None
             try:
+                fmt = detect_format(fetched.path)
+                if needs_conversion(fetched.path):
+                    peft_dir = work / "converted"
+                    convert_in_subprocess(fetched.path, peft_dir, self.base_dir)
                 facts = validate_adapter(peft_dir, self.base_config, self.max_lora_rank)
             except AdapterRejected as exc:
                 raise AdapterError(f"adapter from {source} rejected: {exc}", code="adapter_rejected") from None
+            except ValueError as exc:  # unreadable or unconvertible files: the message says which
+                raise AdapterError(
+                    f"adapter from {source} rejected: {exc}", code="adapter_conversion_failed"
+                ) from None
             meta = {
                 "source": source,
                 "revision": fetched.revision,

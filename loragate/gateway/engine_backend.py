@@ -50,6 +50,7 @@ def timings_from(settings: Settings) -> SupervisorTimings:
         restart_backoff_max=settings.restart_backoff_max,
         crash_loop_limit=settings.crash_loop_limit,
         crash_loop_window=settings.crash_loop_window,
+        stable_after=settings.stable_after,
         stop_timeout=settings.stop_timeout,
     )
 
@@ -167,9 +168,11 @@ class SupervisedEngineBackend:
             zero_adapter_root=adapters_root / "zero" if self.zero_adapter else None,
             drain_timeout=settings.drain_timeout,
             ready_timeout=settings.queue_deadline,
+            follow_interval=settings.follow_interval,
         )
         for name, source in boot_loras:
             await self.manager.declare(name, source)
+        self.manager.follower.sync()
 
     def _engine_spec(self, port: int, api_key: str) -> EngineSpec:
         assert self.model_dir is not None and self.manager is not None

@@ -23,6 +23,7 @@ def gateway(
     process = GatewayProcess(
         cache_dir=tmp_path_factory.mktemp("shared-gateway"),
         args=["--allowed-media-dir", str(media_dir)],
+        env={"LORAGATE_FOLLOW_INTERVAL": "1"},
     ).start()
     try:
         process.wait_listening()
