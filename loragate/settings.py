@@ -39,6 +39,21 @@ class Settings(BaseSettings):
     )
     model_name: str | None = Field(default=None, description="The id clients use for the base model.")
     lora: list[str] = Field(default_factory=list, description="Adapters served from boot on, NAME=SOURCE.")
+    vision_model: bool | None = Field(
+        default=None,
+        description=(
+            "Whether the base model takes images: plain-text chat requests without one get a 400 "
+            "that says how to send it. Default: detected from the model's config.json."
+        ),
+    )
+    upstream_url: str | None = Field(
+        default=None,
+        description=(
+            "Serve an existing OpenAI-compatible server (e.g. http://host:8000/v1) instead of "
+            "supervising an engine: no engine is started, adapters are the upstream's."
+        ),
+    )
+    upstream_api_key: str | None = Field(default=None, description="Bearer key for --upstream-url.")
     run_id: str | None = None
     secret_key: str | None = None
     organization_id: str | None = None
@@ -87,6 +102,7 @@ class Settings(BaseSettings):
     restart_backoff_max: float = Field(default=30.0, ge=0)
     crash_loop_limit: int = Field(default=3, ge=1)
     crash_loop_window: float = Field(default=600.0, gt=0)
+    stable_after: float = Field(default=120.0, ge=0)
     stop_timeout: float = Field(default=20.0, gt=0)
     drain_timeout: float = Field(default=30.0, ge=0)
 
@@ -111,6 +127,15 @@ class Settings(BaseSettings):
     def _accept_single_string(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("upstream_url")
+    @classmethod
+    def _upstream_is_http(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(
+                f"upstream_url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {value!r}"
+            )
+        return value
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -127,6 +152,8 @@ class Settings(BaseSettings):
     def served_model_name(self) -> str:
         if self.model_name:
             return self.model_name
+        if self.run_id is not None:
+            return f"{self.run_id}-base"  # the run's adapter is served under the run id
         if self.model is None:
             from loragate.demo.layout import DEMO_MODEL_NAME
 
@@ -136,8 +163,8 @@ class Settings(BaseSettings):
     def inference_keys(self) -> list[str]:
         keys = list(self.api_key)
         if self.api_key_file is not None:
-            lines = self.api_key_file.read_text().splitlines()
-            keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+            lines = self.api_key_file.expanduser().read_text(encoding="utf-8").splitlines()
+            keys += [key for key in map(str.strip, lines) if key and not key.startswith("#")]
         return keys
 
 

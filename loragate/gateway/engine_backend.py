@@ -132,9 +132,13 @@ class SupervisedEngineBackend:
     async def _prepare(self) -> None:
         settings = self.settings
         boot_loras = [parse_lora_flag(value) for value in settings.lora]
-        if settings.model is None:
+        if settings.run_id is not None:
+            model_dir, adapter = await asyncio.to_thread(self._vi_run)
+            if adapter is not None:
+                boot_loras.insert(0, (settings.run_id, str(adapter)))
+        elif settings.model is None:
             demo = await asyncio.to_thread(ensure_demo, None, settings.engine_python)
-            self.model_dir = demo_base_dir(demo)
+            model_dir = demo_base_dir(demo)
             boot_loras = [(a.name, str(demo_adapter_dir(demo, a.name))) for a in DEMO_ADAPTERS] + boot_loras
             self._engine_env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
             if not any(arg.startswith("--dtype") for arg in settings.engine_args):
@@ -142,18 +146,19 @@ class SupervisedEngineBackend:
         else:
             from loragate.adapters.models import resolve_base_model
 
-            self.model_dir = await asyncio.to_thread(resolve_base_model, settings.model, self.cache_dir)
-        base_config = json.loads((self.model_dir / "config.json").read_text())
+            model_dir = await asyncio.to_thread(resolve_base_model, settings.model, self.cache_dir)
+        self.model_dir = model_dir
+        base_config = json.loads((model_dir / "config.json").read_text())
         self.zero_adapter = settings.base_routing == "zero-adapter" or (
             settings.base_routing == "auto" and is_cpu_build(settings.engine_python)
         )
         adapters_root = self.cache_dir / "adapters"
         store = AdapterStore(adapters_root, max_bytes=settings.store_max_bytes)
-        model_key = hashlib.sha256(str(self.model_dir).encode()).hexdigest()[:16]
+        model_key = hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]
         manifest = Manifest(adapters_root / "manifests" / f"{model_key}.json").load()
         pipeline = AdapterPipeline(
             store=store,
-            base_dir=self.model_dir,
+            base_dir=model_dir,
             base_config=base_config,
             max_lora_rank=settings.max_lora_rank,
         )
@@ -173,6 +178,20 @@ class SupervisedEngineBackend:
         for name, source in boot_loras:
             await self.manager.declare(name, source)
         self.manager.follower.sync()
+
+    def _vi_run(self) -> tuple[Path, Path | None]:
+        """A Datature Vi run's base model and adapter, downloaded once into the cache dir."""
+        from loragate.adapters.vi_runs import download_vi_run, vi_run_layout
+
+        settings = self.settings
+        assert settings.run_id is not None
+        run_dir = self.cache_dir / "vi-runs" / settings.run_id
+        if not run_dir.is_dir():
+            run_dir = download_vi_run(
+                settings.run_id, settings.secret_key, settings.organization_id, run_dir.parent
+            )
+        full, adapter, _ = vi_run_layout(run_dir)
+        return full, adapter
 
     def _engine_spec(self, port: int, api_key: str) -> EngineSpec:
         assert self.model_dir is not None and self.manager is not None
