@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from loragate.adapters.manager import AdapterError, PreparedVersion
-from loragate.adapters.store import AdapterStore, StoreError
+from loragate.adapters.store import AdapterStore, StoreError, tree_digest
 
 
 @dataclass
@@ -47,14 +47,29 @@ class AdapterPipeline:
             except SourceError as exc:
                 raise AdapterError(str(exc), code="adapter_source_error") from None
             peft_dir = fetched.path
+            source_digest: str | None = None
             try:
                 fmt = detect_format(fetched.path)
                 if needs_conversion(fetched.path):
+                    # Converting costs a torch start-up: skip it when these exact files were
+                    # converted before and the result is still in the store.
+                    source_digest = tree_digest(fetched.path)
+                    known = self.store.converted_from(source_digest)
+                    if known is not None:
+                        self.store.touch(known)
+                        return PreparedVersion(
+                            stored=known,
+                            source=source,
+                            revision=fetched.revision,
+                            fingerprint=fetched.fingerprint,
+                        )
                     peft_dir = work / "converted"
                     convert_in_subprocess(fetched.path, peft_dir, self.base_dir)
                 facts = validate_adapter(peft_dir, self.base_config, self.max_lora_rank)
             except AdapterRejected as exc:
-                raise AdapterError(f"adapter from {source} rejected: {exc}", code="adapter_rejected") from None
+                raise AdapterError(
+                    f"adapter from {source} rejected: {exc}", code="adapter_rejected"
+                ) from None
             except ValueError as exc:  # unreadable or unconvertible files: the message says which
                 raise AdapterError(
                     f"adapter from {source} rejected: {exc}", code="adapter_conversion_failed"
@@ -71,8 +86,13 @@ class AdapterPipeline:
                 stored = self.store.put_dir(peft_dir, meta)
             except StoreError as exc:
                 raise AdapterError(str(exc), code="adapter_store_error") from None
+            if source_digest is not None:
+                self.store.remember_conversion(source_digest, stored)
             return PreparedVersion(
-                stored=stored, source=source, revision=fetched.revision, fingerprint=fetched.fingerprint
+                stored=stored,
+                source=source,
+                revision=fetched.revision,
+                fingerprint=fetched.fingerprint,
             )
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -58,6 +58,16 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def tree_digest(root: Path) -> str:
+    """A digest of every file under ``root`` (relative names and contents)."""
+    files = {
+        path.relative_to(root).as_posix(): file_digest(path)
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+    }
+    return content_digest(files)
+
+
 def content_digest(file_digests: dict[str, str]) -> str:
     """The version id: a hash over the (name, file digest) pairs, in name order."""
     digest = hashlib.sha256()
@@ -75,6 +85,28 @@ class AdapterStore:
         self.versions.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.evictions = 0
+
+    def converted_from(self, source_digest: str) -> StoredAdapter | None:
+        """The version earlier converted from source files with this digest, if still stored."""
+        try:
+            digest = (self.root / "sources" / source_digest).read_text().strip()
+        except OSError:
+            return None
+        stored = self.get(digest)
+        if stored is None:
+            return None
+        try:
+            self.verify(stored)
+        except TamperedAdapterError:
+            return None
+        return stored
+
+    def remember_conversion(self, source_digest: str, stored: StoredAdapter) -> None:
+        index = self.root / "sources"
+        index.mkdir(exist_ok=True)
+        tmp = index / f".{source_digest}.tmp"
+        tmp.write_text(stored.digest)
+        os.replace(tmp, index / source_digest)
 
     def work_dir(self) -> Path:
         """A fresh private directory inside the store's file system, for downloads and conversion."""
@@ -137,7 +169,9 @@ class AdapterStore:
         for name, want in expected.items():
             path = stored.path / name
             if not path.is_file():
-                raise TamperedAdapterError(f"adapter {stored.short}: {name} is missing from the store")
+                raise TamperedAdapterError(
+                    f"adapter {stored.short}: {name} is missing from the store"
+                )
             if file_digest(path) != want:
                 raise TamperedAdapterError(
                     f"adapter {stored.short}: {name} does not match its recorded sha256 "
