@@ -36,7 +36,12 @@ def write_zero_adapter(base_config: dict[str, Any], out: Path) -> Path:
     heads = int(text_config["num_attention_heads"])
     head_dim = int(text_config.get("head_dim") or hidden // heads)
     layers = int(text_config["num_hidden_layers"])
-    prefix = "base_model.model.model.language_model" if "text_config" in base_config else "base_model.model.model"
+    if "text_config" not in base_config:
+        prefix = "base_model.model.model"
+    elif base_config.get("model_type") == "idefics3":
+        prefix = "base_model.model.model.text_model"
+    else:
+        prefix = "base_model.model.model.language_model"
     tensors: dict[str, tuple[int, int]] = {}
     for layer in range(layers):
         module = f"{prefix}.layers.{layer}.self_attn.q_proj"

@@ -49,8 +49,64 @@ def demo_adapter_dir(demo_dir: Path, name: str) -> Path:
 def ensure_demo(demo_dir: Path | None = None, python: str | None = None) -> Path:
     """Build the demo if it is missing or stale, in a child process so torch stays out of ours."""
     target = (demo_dir or default_demo_dir()).expanduser().resolve()
+    run_builder("loragate.demo.build", target, python)
+    return target
+
+
+def run_builder(module: str, target: Path, python: str | None, quiet: bool = False) -> None:
+    """Run a demo builder module in a child that dies with us (a stopped gateway leaves no build)."""
+    from loragate.supervisor.parent_death import set_parent_death_signal
+
     subprocess.run(
-        [python or sys.executable, "-m", "loragate.demo.build", str(target)],
+        [python or sys.executable, "-m", module, str(target)],
         check=True,
+        stdout=subprocess.DEVNULL if quiet else None,
+        preexec_fn=set_parent_death_signal,
     )
+
+
+# ----- the vision demo (loragate.demo.build_vision) -----------------------------------------
+
+VISION_DEMO_MODEL_NAME = "loragate-vision"
+VISION_IMAGES_DIRNAME = "images"
+
+# Trained on image and text prompts alike, so tests can prove the adapter served an image request.
+VISION_ADAPTERS = (DemoAdapter("meow", " meow meow"),)
+
+# Small images shipped with the vision demo: name -> (what is drawn, background colour).
+VISION_DEMO_IMAGES: dict[str, tuple[str, tuple[int, int, int]]] = {
+    "red.png": ("solid", (220, 30, 30)),
+    "stripes.png": ("stripes", (30, 30, 200)),
+    "circle.png": ("circle", (20, 120, 40)),
+}
+
+# What the engine needs for the vision demo, after `--`: one image per prompt, float32 on CPU.
+VISION_ENGINE_ARGS = ("--limit-mm-per-prompt", '{"image":1}', "--dtype", "float32")
+
+
+def default_vision_demo_dir() -> Path:
+    override = os.environ.get("LORAGATE_VISION_DEMO_DIR")
+    return Path(override) if override else default_cache_dir() / "demo-vision"
+
+
+def vision_images_dir(demo_dir: Path) -> Path:
+    return demo_dir / VISION_IMAGES_DIRNAME
+
+
+def vision_serve_args(demo_dir: Path) -> list[str]:
+    """`gateway serve` arguments that serve the vision demo in ``demo_dir`` (engine args last)."""
+    loras = [f"{a.name}={demo_adapter_dir(demo_dir, a.name)}" for a in VISION_ADAPTERS]
+    return [
+        "--model", str(demo_base_dir(demo_dir)),
+        "--model-name", VISION_DEMO_MODEL_NAME,
+        *(arg for lora in loras for arg in ("--lora", lora)),
+        "--allowed-media-dir", str(vision_images_dir(demo_dir)),
+        "--", *VISION_ENGINE_ARGS,
+    ]  # fmt: skip
+
+
+def ensure_vision_demo(demo_dir: Path | None = None, python: str | None = None) -> Path:
+    """Build the vision demo if it is missing or stale, in a child process (torch stays out)."""
+    target = (demo_dir or default_vision_demo_dir()).expanduser().resolve()
+    run_builder("loragate.demo.build_vision", target, python, quiet=True)
     return target

@@ -2,28 +2,41 @@
 
 Two shapes arrive on /v1/chat/completions: OpenAI's (``messages``) and Datature Vi's flat one
 (``source`` + ``user_prompt``, optional ``system_prompt`` and ``generation_config``). A Vi
-request becomes one user message with the image part first and the text part second.
+request becomes one user message with the image part first and the text part second; the
+result remembers the Vi request it came from (``ChatRequest.vi``), so a backend that has its
+own Vi entry point (``InferenceBackend.generate_vi_format``) still gets it. The body sent to
+an engine is the OpenAI body alone.
+
+Everything a client can get wrong is answered here with a 400 that says what to send
+instead: images (see ``media``), the response format's JSON Schema, Vi's generation config.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.media import MediaPolicy
 from loragate.settings import Settings
 
-VI_FIELDS = ("source", "user_prompt", "system_prompt", "generation_config")
+_VI_KEYS = frozenset({"source", "user_prompt", "system_prompt", "generation_config"})
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 # Vi's generation_config uses Hugging Face names; these map onto OpenAI/vLLM parameters.
-_HF_TO_OPENAI = {
+HF_TO_OPENAI = {
     "max_new_tokens": "max_tokens",
     "max_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
+    "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
     "frequency_penalty": "frequency_penalty",
     "presence_penalty": "presence_penalty",
@@ -31,19 +44,66 @@ _HF_TO_OPENAI = {
     "stop": "stop",
     "stop_strings": "stop",
     "num_return_sequences": "n",
+    "n": "n",
+    "logit_bias": "logit_bias",
 }
+
+# vLLM dropped these in favour of ``structured_outputs`` and now ignores them silently.
+_GUIDED_TO_STRUCTURED = {
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_whitespace_pattern": "whitespace_pattern",
+}
+
+IMAGE_HELP = (
+    'Send the image as an image_url content part, e.g. {"role": "user", "content": '
+    '[{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}, '
+    '{"type": "text", "text": "What is in this image?"}]}, or in the Vi format as '
+    '{"source": "<local path, http(s) URL or data URI>", "user_prompt": "..."}.'
+)
+
+
+@dataclass(frozen=True)
+class ViRequest:
+    """The Vi fields of a request, as checked: a local ``source`` file became a data URI."""
+
+    source: str | None
+    user_prompt: str | None
+    system_prompt: str | None
+    generation_config: dict[str, Any] | None
+
+
+class ChatRequest(dict[str, Any]):
+    """An OpenAI chat request body, checked; ``vi`` is the Vi request it came from, if any.
+
+    A plain dict to everything that sends it on (``orjson`` writes it as the OpenAI body);
+    backends with a Vi entry point read ``vi``.
+    """
+
+    def __init__(self, body: dict[str, Any], vi: ViRequest | None = None) -> None:
+        super().__init__(body)
+        self.vi = vi
 
 
 def _bad(message: str, param: str | None = None, code: str = "invalid_request") -> OpenAIError:
     return OpenAIError(400, message, param=param, code=code)
 
 
-async def normalize_chat_request(payload: dict[str, Any], settings: Settings) -> dict[str, Any]:
-    has_messages = "messages" in payload
-    has_vi = "source" in payload or "user_prompt" in payload
-    if has_messages and has_vi:
+def _given(payload: dict[str, Any], key: str) -> bool:
+    # Clients that build requests from typed models send absent fields as null.
+    return payload.get(key) is not None
+
+
+async def normalize_chat_request(payload: dict[str, Any], settings: Settings) -> ChatRequest:
+    """Check ``payload`` and return it in OpenAI's shape; raises ``OpenAIError`` (400) when bad."""
+    has_vi = _given(payload, "source") or _given(payload, "user_prompt")
+    # messages=[] beside Vi fields is how the OpenAI SDK (which needs `messages`) sends a Vi request.
+    has_messages = _given(payload, "messages") and not (has_vi and payload["messages"] == [])
+    if has_messages and (has_vi or _given(payload, "system_prompt")):
         raise _bad(
-            "Send either OpenAI 'messages' or the Vi fields 'source' and 'user_prompt', not both.",
+            "Send either OpenAI 'messages' or the Vi fields 'source' and 'user_prompt' "
+            "(with an optional 'system_prompt'), not both.",
             code="ambiguous_request_format",
         )
     if not has_messages and not has_vi:
@@ -53,62 +113,139 @@ async def normalize_chat_request(payload: dict[str, Any], settings: Settings) ->
             param="messages",
             code="missing_messages",
         )
-    media = MediaPolicy(settings.allowed_media_dir, settings.max_image_bytes, settings.max_image_pixels)
+    body = {
+        key: value for key, value in payload.items() if key not in _VI_KEYS or value is not None
+    }
+    config = body.pop("generation_config", None)
+    if config is not None:
+        for key, value in generation_params(config).items():
+            if body.get(key) is None:  # top-level parameters take precedence
+                body[key] = value
     if has_vi:
-        payload = _from_vi(payload)
-    _translate_guided_json(payload)
-    await _check_messages(payload["messages"], media, settings.max_messages)
-    _check_response_format(payload.get("response_format"))
-    return payload
+        _vi_to_messages(body)
+    _translate_guided(body)
+    media = _media_policy(
+        settings.allowed_media_dir, settings.max_image_bytes, settings.max_image_pixels
+    )
+    try:
+        await _check_messages(body["messages"], media, settings.max_messages)
+    except OpenAIError as exc:
+        if has_vi and exc.param and exc.param.endswith(".image_url.url"):
+            exc.param = "source"  # the field the Vi client sent
+        raise
+    if model_takes_images(settings):
+        _require_image(body["messages"], vi=has_vi)
+    _check_response_format(body.get("response_format"))
+    _check_structured_outputs(body.get("structured_outputs"))
+    vi = _vi_request(payload, body["messages"]) if has_vi else None
+    return ChatRequest(body, vi)
 
 
-def _from_vi(payload: dict[str, Any]) -> dict[str, Any]:
-    source, prompt = payload.get("source"), payload.get("user_prompt")
-    if not isinstance(prompt, str):
-        raise _bad("Vi requests need 'user_prompt' as a string.", param="user_prompt")
-    if source is not None and not isinstance(source, str):
-        raise _bad("Vi 'source' must be a string: a local path, an http(s) URL or a data URI.", param="source")
-    system = payload.get("system_prompt")
+@functools.lru_cache(maxsize=8)
+def _media_policy(allowed_dir: Path | None, max_bytes: int, max_pixels: int) -> MediaPolicy:
+    return MediaPolicy(allowed_dir, max_bytes, max_pixels)
+
+
+def _vi_to_messages(body: dict[str, Any]) -> None:
+    source = body.pop("source", None)
+    prompt = body.pop("user_prompt", None)
+    system = body.pop("system_prompt", None)
+    if prompt is not None and not isinstance(prompt, str):
+        raise _bad("Vi 'user_prompt' must be a string.", param="user_prompt")
+    if source is not None and (not isinstance(source, str) or not source):
+        raise _bad(
+            "Vi 'source' must be a non-empty string: a local path, an http(s) URL or a data URI.",
+            param="source",
+        )
     if system is not None and not isinstance(system, str):
         raise _bad("Vi 'system_prompt' must be a string.", param="system_prompt")
     content: list[dict[str, Any]] = []
-    if source:
+    if source is not None:
         content.append({"type": "image_url", "image_url": {"url": source}})
-    content.append({"type": "text", "text": prompt})
+    if prompt is not None:
+        content.append({"type": "text", "text": prompt})
     messages: list[dict[str, Any]] = []
     if system:
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": content})
-    out = {key: value for key, value in payload.items() if key not in VI_FIELDS}
-    out["messages"] = messages
+    body["messages"] = messages
+
+
+def _vi_request(payload: dict[str, Any], messages: list[dict[str, Any]]) -> ViRequest:
+    source = None
+    if _given(payload, "source"):
+        # The checked form of the image (local files are data URIs by now), first part.
+        source = messages[-1]["content"][0]["image_url"]["url"]
     config = payload.get("generation_config")
-    if config is not None:
-        if not isinstance(config, dict):
-            raise _bad("Vi 'generation_config' must be an object.", param="generation_config")
-        for key, value in _generation_params(config).items():
-            out.setdefault(key, value)  # top-level parameters take precedence
-    return out
+    return ViRequest(
+        source=source,
+        user_prompt=payload.get("user_prompt"),
+        system_prompt=payload.get("system_prompt") or None,
+        generation_config=dict(config) if isinstance(config, dict) else None,
+    )
 
 
-def _generation_params(config: dict[str, Any]) -> dict[str, Any]:
+def generation_params(config: Any) -> dict[str, Any]:
+    """OpenAI parameters for a Vi ``generation_config`` (Hugging Face names)."""
+    if not isinstance(config, dict):
+        raise _bad("'generation_config' must be an object.", param="generation_config")
+    unknown = sorted(key for key in config if key not in HF_TO_OPENAI and key != "do_sample")
+    if unknown:
+        raise _bad(
+            f"'generation_config' has unsupported keys {', '.join(unknown)}; supported: "
+            f"{', '.join(sorted([*HF_TO_OPENAI, 'do_sample']))}.",
+            param=f"generation_config.{unknown[0]}",
+            code="unsupported_parameter",
+        )
     params: dict[str, Any] = {}
     for key, value in config.items():
-        target = _HF_TO_OPENAI.get(key)
+        target = HF_TO_OPENAI.get(key)
         if target is not None and value is not None:
             params[target] = value
-    if config.get("do_sample") is False:
-        params["temperature"] = 0.0  # greedy, as in Hugging Face generate()
+    do_sample = config.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise _bad(
+            "'generation_config.do_sample' must be true or false.",
+            param="generation_config.do_sample",
+        )
+    if do_sample is False:
+        params["temperature"] = 0.0  # greedy, as Hugging Face's generate() does without sampling
     return params
 
 
-def _translate_guided_json(payload: dict[str, Any]) -> None:
-    # vLLM 0.32 ignores the old guided_json silently; clients that still send it get what they meant.
-    schema = payload.pop("guided_json", None)
-    if schema is not None and "response_format" not in payload:
-        payload["response_format"] = {
+def _translate_guided(body: dict[str, Any]) -> None:
+    # vLLM 0.32 ignores the old guided_* fields silently; clients still sending them get what they meant.
+    schema = body.pop("guided_json", None)
+    body.pop(
+        "guided_decoding_backend", None
+    )  # no per-request choice any more; the engine's applies
+    structured = {new: body.pop(old) for old, new in _GUIDED_TO_STRUCTURED.items() if old in body}
+    if schema is not None:
+        if "response_format" in body or "structured_outputs" in body:
+            raise _bad(
+                "Send 'guided_json' or 'response_format'/'structured_outputs', not both.",
+                param="guided_json",
+            )
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError:
+                raise _bad(
+                    "'guided_json' is not valid JSON.",
+                    param="guided_json",
+                    code="invalid_json_schema",
+                ) from None
+        body["response_format"] = {
             "type": "json_schema",
             "json_schema": {"name": "guided_json", "schema": schema},
         }
+    if structured:
+        if "structured_outputs" in body:
+            raise _bad(
+                "Send the guided_* fields or 'structured_outputs', not both.",
+                param="structured_outputs",
+            )
+        body["structured_outputs"] = structured
 
 
 async def _check_messages(messages: Any, media: MediaPolicy, max_messages: int) -> None:
@@ -135,25 +272,67 @@ async def _check_messages(messages: Any, media: MediaPolicy, max_messages: int) 
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list):
-            raise _bad(f"{where}.content must be a string or an array of parts.", param=f"{where}.content")
+            raise _bad(
+                f"{where}.content must be a string or an array of parts.", param=f"{where}.content"
+            )
         for part_index, part in enumerate(content):
-            await _check_part(part, f"{where}.content[{part_index}]", media)
+            content[part_index] = await _check_part(part, f"{where}.content[{part_index}]", media)
 
 
-async def _check_part(part: Any, where: str, media: MediaPolicy) -> None:
+async def _check_part(part: Any, where: str, media: MediaPolicy) -> Any:
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         raise _bad(f"{where} must be an object with a 'type'.", param=where)
-    if part["type"] == "text":
+    kind = part["type"]
+    if kind == "text":
         if not isinstance(part.get("text"), str):
             raise _bad(f"{where}.text must be a string.", param=f"{where}.text")
-    elif part["type"] == "image_url":
+        return part
+    if kind == "image":
+        # The Vi SDK's own part, {"type": "image", "image": "<path or URL>"}: OpenAI's from here on.
+        checked = await asyncio.to_thread(media.image_url, part.get("image"), f"{where}.image")
+        return {"type": "image_url", "image_url": {"url": checked}}
+    if kind == "image_url":
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
-        if not isinstance(url, str):
-            raise _bad(f"{where}.image_url.url must be a string.", param=f"{where}.image_url")
         # File reads and image decoding stay off the event loop.
-        resolved = await asyncio.to_thread(media.image_url, url, f"{where}.image_url")
-        part["image_url"] = {**(image if isinstance(image, dict) else {}), "url": resolved}
+        resolved = await asyncio.to_thread(media.image_url, url, f"{where}.image_url.url")
+        return {
+            **part,
+            "image_url": {**(image if isinstance(image, dict) else {}), "url": resolved},
+        }
+    return part  # other kinds (audio, video, ...) are the engine's to accept or refuse
+
+
+def _has_image(messages: list[dict[str, Any]]) -> bool:
+    return any(
+        isinstance(message.get("content"), list)
+        and any(part.get("type") == "image_url" for part in message["content"])
+        for message in messages
+    )
+
+
+def _require_image(messages: list[dict[str, Any]], vi: bool) -> None:
+    """A vision model asked in plain text, without any image: say how to send one.
+
+    A request whose user turns are lists of text parts asks without an image on purpose
+    and goes through.
+    """
+    if _has_image(messages):
+        return
+    user_contents = [m.get("content") for m in messages if m.get("role") == "user"]
+    if not vi and not all(isinstance(content, str) for content in user_contents):
+        return
+    raise _bad(
+        "This model takes an image, but the request has none. "
+        + IMAGE_HELP
+        + (
+            ""
+            if vi
+            else " To ask without an image on purpose, send the content as a list of text parts."
+        ),
+        param="source" if vi else "messages",
+        code="image_required",
+    )
 
 
 def _check_response_format(response_format: Any) -> None:
@@ -162,7 +341,7 @@ def _check_response_format(response_format: Any) -> None:
     if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
         raise _bad("'response_format' must be an object with a 'type'.", param="response_format")
     kind = response_format["type"]
-    if kind in ("text", "json_object"):
+    if kind in ("text", "json_object", "structural_tag"):
         return
     if kind != "json_schema":
         raise _bad(
@@ -170,20 +349,111 @@ def _check_response_format(response_format: Any) -> None:
             param="response_format.type",
         )
     spec = response_format.get("json_schema")
-    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict):
+        raise _bad(
+            '\'response_format.json_schema\' must be an object: {"name": ..., "schema": {...}}.',
+            param="response_format.json_schema",
+            code="invalid_json_schema",
+        )
+    spec.setdefault("name", "response")  # OpenAI requires one; the name changes nothing here
+    check_json_schema(spec.get("schema"), "response_format.json_schema.schema")
+
+
+def _check_structured_outputs(structured: Any) -> None:
+    if structured is None:
+        return
+    if not isinstance(structured, dict):
+        raise _bad("'structured_outputs' must be an object.", param="structured_outputs")
+    schema = structured.get("json")
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            raise _bad(
+                "'structured_outputs.json' is not valid JSON.",
+                param="structured_outputs.json",
+                code="invalid_json_schema",
+            ) from None
+    if schema is not None:
+        check_json_schema(schema, "structured_outputs.json")
+
+
+def check_json_schema(schema: Any, param: str) -> None:
+    """400 unless ``schema`` is a valid JSON Schema object (checked against its meta-schema)."""
     if not isinstance(schema, dict):
         raise _bad(
-            "'response_format.json_schema.schema' must be a JSON Schema object.",
-            param="response_format.json_schema.schema",
-            code="invalid_json_schema",
+            f"'{param}' must be a JSON Schema object.", param=param, code="invalid_json_schema"
         )
     from jsonschema import exceptions, validators
 
     try:
         validators.validator_for(schema).check_schema(schema)
     except exceptions.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
         raise _bad(
-            f"'response_format.json_schema.schema' is not a valid JSON Schema: {exc.message}",
-            param="response_format.json_schema.schema",
+            f"'{param}' is not a valid JSON Schema: {exc.message}"
+            + (f" (at {where})" if where else ""),
+            param=param,
             code="invalid_json_schema",
         ) from None
+
+
+# ----- what kind of model is served -------------------------------------------------------
+
+
+def model_takes_images(settings: Settings) -> bool:
+    """Whether the served base model is a vision-language model.
+
+    ``settings.vision_model`` decides when set; otherwise the model's ``config.json`` does
+    (a local directory, or a Hugging Face id already in the cache). The bundled text demo
+    and models whose config cannot be read count as text-only.
+    """
+    if settings.vision_model is not None:
+        return settings.vision_model
+    if settings.model is None:
+        return False
+    key = (settings.model, str(settings.cache_dir))
+    verdict = _VERDICTS.get(key)
+    if verdict is not None:
+        return verdict
+    if time.monotonic() - _UNKNOWN_SINCE.get(key, -_RECHECK_UNKNOWN_AFTER) < _RECHECK_UNKNOWN_AFTER:
+        return False
+    config = _read_model_config(settings.model, str(settings.cache_dir.expanduser()))
+    if config is None:
+        _UNKNOWN_SINCE[key] = time.monotonic()
+        return False
+    _VERDICTS[key] = verdict = config_takes_images(config)
+    return verdict
+
+
+_VERDICTS: dict[tuple[str, str], bool] = {}
+_UNKNOWN_SINCE: dict[tuple[str, str], float] = {}
+_RECHECK_UNKNOWN_AFTER = 10.0  # seconds; a model still downloading gets its config.json later
+
+
+def _read_model_config(model: str, cache_dir: str) -> dict[str, Any] | None:
+    path = Path(model).expanduser() / "config.json"
+    if not path.is_file():
+        if model.count("/") > 1 or model.startswith(("/", ".", "~")):
+            return None
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "config.json", cache_dir=Path(cache_dir) / "models")
+        if not isinstance(found, str):
+            return None
+        path = Path(found)
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def config_takes_images(config: dict[str, Any]) -> bool:
+    """Whether a Hugging Face ``config.json`` describes a model with an image encoder."""
+    if isinstance(config.get("vision_config"), dict):
+        return True
+    if "image_token_id" in config or "image_token_index" in config:
+        return True
+    architectures = config.get("architectures") or []
+    return any(isinstance(a, str) and ("Vision" in a or "VL" in a) for a in architectures)

@@ -143,6 +143,13 @@ class SupervisedEngineBackend:
             self._engine_env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
             if not any(arg.startswith("--dtype") for arg in settings.engine_args):
                 self._extra_engine_args = ["--dtype", "float32"]
+            if not any(arg.startswith("--structured-outputs-config") for arg in settings.engine_args):
+                # Under a JSON schema the random demo model would pad with whitespace forever;
+                # xgrammar takes this only at engine start (and "backend" must be named).
+                self._extra_engine_args += [
+                    "--structured-outputs-config",
+                    '{"backend": "xgrammar", "disable_any_whitespace": true}',
+                ]
         else:
             from loragate.adapters.models import resolve_base_model
 

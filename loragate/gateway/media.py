@@ -1,15 +1,21 @@
 """Images in requests: local paths (only inside --allowed-media-dir), data URIs, http(s) URLs.
 
-A local path is resolved (symlinks and '..' included) and must stay inside the allowed dir
-before a single byte is read. Local files and data URIs are sniffed and checked (format,
-size, pixel count) and reach the engine as data URIs; http(s) URLs pass through unchanged.
+A local path is resolved (symlinks and '..' included) and must lie inside the allowed dir
+before a single byte is read; the file is then opened without following a last-moment
+symlink and checked again by what was actually opened. Local files and data URIs are
+sniffed and checked (format, size, pixel count) and reach the engine as data URIs; http(s)
+URLs pass through unchanged (the engine fetches them).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import io
+import os
+import stat
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from loragate.gateway.errors import OpenAIError
 
@@ -20,6 +26,7 @@ _SIGNATURES = {
     b"GIF89a": "gif",
     b"BM": "bmp",
 }
+_WHITESPACE = b" \t\r\n"
 
 
 class MediaPolicy:
@@ -28,23 +35,34 @@ class MediaPolicy:
         self.max_bytes = max_bytes
         self.max_pixels = max_pixels
 
-    def image_url(self, url: str, param: str) -> str:
+    def image_url(self, url: object, param: str) -> str:
         """The URL to send to the engine for ``url``, or a 400 naming the problem."""
-        if not isinstance(url, str) or not url:
-            raise _bad(param, "the image must be a non-empty string: a data URI, http(s) URL or local path")
+        if not isinstance(url, str) or not url.strip():
+            raise _bad(
+                param, "the image must be a non-empty string: a data URI, http(s) URL or local path"
+            )
         lowered = url[:16].lower()
         if lowered.startswith(("http://", "https://")):
+            try:
+                host = urlsplit(url).hostname
+            except ValueError:  # e.g. an unclosed IPv6 bracket
+                host = None
+            if not host:
+                raise _bad(param, f"the image URL {url[:80]!r} has no valid host")
             return url
         if lowered.startswith("data:"):
             data = self._decode_data_uri(url, param)
-            self._check_image(data, param)
-            return url
+            return data_uri(data, self._check_image(data, param))
         if "://" in url[:16] and not lowered.startswith("file://"):
-            raise _bad(param, f"unsupported image URL scheme in {url[:16]!r}: use data:, http(s):// or a local path")
-        path = url[7:] if lowered.startswith("file://") else url
+            raise _bad(
+                param,
+                f"unsupported image URL scheme in {url[:16]!r}: use data:, http(s):// or a local path",
+            )
+        path = unquote(url[7:]) if lowered.startswith("file://") else url
         data = self._read_local(path, param)
-        fmt = self._check_image(data, param)
-        return f"data:image/{fmt};base64,{base64.b64encode(data).decode()}"
+        return data_uri(data, self._check_image(data, param))
+
+    # ----- local files ---------------------------------------------------------------------
 
     def _read_local(self, raw_path: str, param: str) -> bytes:
         if self.allowed_dir is None:
@@ -55,45 +73,90 @@ class MediaPolicy:
                 param=param,
                 code="local_media_disabled",
             )
-        candidate = Path(raw_path).expanduser()
+        if "\x00" in raw_path:
+            raise _bad(param, "the image path contains a NUL character")
+        try:
+            candidate = Path(raw_path).expanduser()
+        except RuntimeError:  # ~user for a user that does not exist
+            raise _bad(
+                param, f"the image path {raw_path} names an unknown home directory"
+            ) from None
         if not candidate.is_absolute():
             candidate = self.allowed_dir / candidate
         try:
-            resolved = candidate.resolve(strict=True)
+            # Not strict: whether a file outside the allowed dir exists is none of the client's business.
+            resolved = candidate.resolve()
         except (OSError, RuntimeError):
-            raise _bad(param, f"image file not found: {raw_path}", code="image_not_found") from None
-        if not resolved.is_relative_to(self.allowed_dir):
-            raise OpenAIError(
-                403,
-                f"The image path {raw_path} is outside the allowed media directory "
-                f"({self.allowed_dir}); it was not read.",
-                param=param,
-                code="media_path_forbidden",
+            raise _bad(
+                param, f"the image path {raw_path} cannot be resolved (a symlink loop?)"
+            ) from None
+        if not self._inside(resolved):
+            raise self._outside(raw_path, param)
+        return self._read_inside(resolved, raw_path, param)
+
+    def _inside(self, path: Path) -> bool:
+        assert self.allowed_dir is not None
+        return path == self.allowed_dir or path.is_relative_to(self.allowed_dir)
+
+    def _outside(self, raw_path: str, param: str) -> OpenAIError:
+        return OpenAIError(
+            403,
+            f"The image path {raw_path} is outside the allowed media directory "
+            f"({self.allowed_dir}); it was not read.",
+            param=param,
+            code="media_path_forbidden",
+        )
+
+    def _read_inside(self, resolved: Path, raw_path: str, param: str) -> bytes:
+        try:
+            # O_NOFOLLOW: a symlink swapped in after resolve() is refused, not followed.
+            fd = os.open(
+                resolved, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
             )
-        if not resolved.is_file():
-            raise _bad(param, f"the image path {raw_path} is not a regular file")
-        if resolved.stat().st_size > self.max_bytes:
-            raise _bad(param, f"the image is larger than {self.max_bytes} bytes (--max-image-bytes)", "image_too_large")
-        return resolved.read_bytes()
+        except FileNotFoundError:
+            raise _bad(param, f"image file not found: {raw_path}", "image_not_found") from None
+        except OSError as exc:
+            raise _bad(
+                param, f"the image file {raw_path} cannot be opened ({exc.strerror})"
+            ) from None
+        try:
+            opened = _opened_path(fd)
+            if opened is not None and not self._inside(opened):
+                raise self._outside(raw_path, param)
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise _bad(param, f"the image path {raw_path} is not a regular file")
+            if info.st_size > self.max_bytes:
+                raise _too_large(param, self.max_bytes)
+            with os.fdopen(fd, "rb", closefd=False) as handle:
+                data = handle.read(self.max_bytes + 1)
+        finally:
+            os.close(fd)
+        if len(data) > self.max_bytes:
+            raise _too_large(param, self.max_bytes)
+        return data
+
+    # ----- data URIs and image checks ------------------------------------------------------
 
     def _decode_data_uri(self, url: str, param: str) -> bytes:
         header, sep, encoded = url.partition(",")
         if not sep or ";base64" not in header.lower():
-            raise _bad(param, "a data URI must look like data:image/png;base64,<data>", "invalid_image")
-        if len(encoded) * 3 // 4 > self.max_bytes:
-            raise _bad(param, f"the image is larger than {self.max_bytes} bytes (--max-image-bytes)", "image_too_large")
+            raise _bad(param, "a data URI must look like data:image/png;base64,<data>")
+        if len(encoded) * 3 // 4 > self.max_bytes + 3:
+            raise _too_large(param, self.max_bytes)
+        raw = encoded.encode("ascii", errors="replace").translate(None, _WHITESPACE)
         try:
-            data = base64.b64decode(encoded, validate=True)
+            data = base64.b64decode(raw, validate=True)
         except (binascii.Error, ValueError):
-            raise _bad(param, "the data URI is not valid base64", "invalid_image") from None
+            raise _bad(param, "the data URI is not valid base64") from None
+        if len(data) > self.max_bytes:
+            raise _too_large(param, self.max_bytes)
         return data
 
     def _check_image(self, data: bytes, param: str) -> str:
         fmt = sniff_format(data)
         if fmt is None:
-            raise _bad(param, "the image is not a PNG, JPEG, GIF, BMP or WebP file", "invalid_image")
-        import io
-
+            raise _bad(param, "the image is not a PNG, JPEG, GIF, BMP or WebP file")
         from PIL import Image
 
         try:
@@ -110,8 +173,12 @@ class MediaPolicy:
         except OpenAIError:
             raise
         except Exception:
-            raise _bad(param, f"the {fmt.upper()} image is truncated or corrupt", "invalid_image") from None
+            raise _bad(param, f"the {fmt.upper()} image is truncated or corrupt") from None
         return fmt
+
+
+def data_uri(data: bytes, fmt: str) -> str:
+    return f"data:image/{fmt};base64,{base64.b64encode(data).decode()}"
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -121,6 +188,20 @@ def sniff_format(data: bytes) -> str | None:
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "webp"
     return None
+
+
+def _opened_path(fd: int) -> Path | None:
+    """The path the kernel says ``fd`` has (Linux); None where that cannot be asked."""
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return None
+
+
+def _too_large(param: str, max_bytes: int) -> OpenAIError:
+    return _bad(
+        param, f"the image is larger than {max_bytes} bytes (--max-image-bytes)", "image_too_large"
+    )
 
 
 def _bad(param: str, message: str, code: str = "invalid_image") -> OpenAIError:

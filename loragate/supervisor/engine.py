@@ -19,6 +19,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -117,6 +118,24 @@ def summarize_failure(lines: list[str], limit: int = 600) -> str:
     return lines[-1].strip()[:limit] if lines else "no output"
 
 
+def _exit_future(proc: subprocess.Popen[bytes]) -> asyncio.Future[int]:
+    """A future for ``proc``'s exit code, from a daemon thread (never blocks interpreter exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[int] = loop.create_future()
+
+    def settle(code: int) -> None:
+        if not future.done():
+            future.set_result(code)
+
+    def wait() -> None:
+        code = proc.wait()
+        with contextlib.suppress(RuntimeError):  # the loop may be closed by now
+            loop.call_soon_threadsafe(settle, code)
+
+    threading.Thread(target=wait, name=f"engine-wait-{proc.pid}", daemon=True).start()
+    return future
+
+
 class EngineSupervisor:
     def __init__(
         self,
@@ -185,11 +204,13 @@ class EngineSupervisor:
         """End a stale engine left by a previous gateway, then boot in the background."""
         await asyncio.to_thread(self._pidfile.end_stale_engine)
         self._probe_client = httpx.AsyncClient(timeout=self.timings.probe_timeout)
+        # Starting now, not when the task first runs: a request that arrives at once waits.
+        self._transition(EngineState.STARTING, "gateway started")
         self._life_task = asyncio.create_task(self._life(), name="engine-supervisor")
 
     async def stop(self) -> None:
         """Stop the engine and every process it started: SIGTERM, then SIGKILL after a timeout."""
-        if self.state in (EngineState.STOPPING, EngineState.STOPPED) and self._proc is None:
+        if self.state == EngineState.STOPPED:
             return
         if self.state != EngineState.STOPPING:
             self._transition(EngineState.STOPPING, "gateway is shutting down")
@@ -316,7 +337,8 @@ class EngineSupervisor:
         await asyncio.sleep(delay)
 
     async def _boot(self, reason: str) -> None:
-        self._transition(EngineState.STARTING, reason)
+        if self.state != EngineState.STARTING:
+            self._transition(EngineState.STARTING, reason)
         await self._spawn()
         assert self._exit is not None
         deadline = time.monotonic() + self.timings.startup_timeout
@@ -401,7 +423,7 @@ class EngineSupervisor:
         self._pidfile.write(self._proc.pid)
         self._spawned_at = time.time()
         self.endpoint = EngineEndpoint(f"http://127.0.0.1:{port}", api_key)
-        self._exit = asyncio.get_running_loop().run_in_executor(None, self._proc.wait)
+        self._exit = _exit_future(self._proc)
 
     def _record_exit(self) -> ExitInfo:
         assert self._proc is not None
@@ -439,7 +461,8 @@ class EngineSupervisor:
                 )
                 return response.status_code == 200
             return True
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
+            log.debug("health probe failed: %r", exc)
             return False
 
     # ----- state --------------------------------------------------------------------------

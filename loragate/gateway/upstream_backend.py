@@ -1,0 +1,170 @@
+"""The second bundled backend: an existing OpenAI-compatible server, by URL, without a supervisor.
+
+``gateway serve --upstream-url http://host:8000/v1`` puts the gateway's checks, auth, Vi
+format and image handling in front of any OpenAI-compatible server (vLLM, another loragate,
+llama.cpp's server, ...). Nothing is started: the models are whatever the upstream's
+``/v1/models`` lists, watched in the background, and ``/health`` follows the upstream's
+``/health`` (or, where it has none, whether ``/v1/models`` answers). ``--model-name`` gives
+the upstream's base model a public name; answers carry the name the client asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import httpx
+import orjson
+from starlette.responses import Response
+
+from loragate.gateway.errors import OpenAIError
+from loragate.gateway.proxy import ProxyClient, Rename
+from loragate.settings import Settings
+
+log = logging.getLogger("loragate.gateway")
+
+
+def split_upstream_url(url: str) -> tuple[str, str]:
+    """(API base ending in /v1, server root) for an upstream URL given with or without /v1."""
+    trimmed = url.strip().rstrip("/")
+    parsed = httpx.URL(trimmed)
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(
+            f"--upstream-url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}"
+        )
+    if trimmed.endswith("/v1"):
+        return trimmed, trimmed[: -len("/v1")]
+    return trimmed + "/v1", trimmed
+
+
+class UpstreamBackend:
+    def __init__(self, settings: Settings) -> None:
+        assert settings.upstream_url is not None
+        self.api_base, self.root = split_upstream_url(settings.upstream_url)
+        self.alias = settings.model_name
+        self.aliased = settings.model  # which upstream id the alias names; default: its base model
+        self.refresh_interval = settings.probe_interval
+        self._headers = (
+            {"Authorization": f"Bearer {settings.upstream_api_key}"}
+            if settings.upstream_api_key
+            else {}
+        )
+        self._http = httpx.AsyncClient(timeout=settings.probe_timeout, headers=self._headers)
+        self.proxy = ProxyClient()
+        self._upstream_ids: list[str] = []
+        self._ready = False
+        self._reason = "not asked yet"
+        self._watch_task: asyncio.Task[None] | None = None
+
+    # ----- life cycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.refresh()
+        if not self._ready:
+            log.warning("upstream %s is not ready yet: %s", self.api_base, self._reason)
+        self._watch_task = asyncio.create_task(self._watch(), name="upstream-watch")
+
+    async def stop(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        await self._http.aclose()
+        await self.proxy.aclose()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        """Ask the upstream for its models and health; keeps the last known models on failure."""
+        try:
+            models = await self._http.get(self.api_base + "/models")
+            health = await self._http.get(self.root + "/health")
+        except httpx.HTTPError as exc:
+            self._ready, self._reason = (
+                False,
+                f"upstream {self.api_base} unreachable: {type(exc).__name__}",
+            )
+            return
+        if models.status_code != 200:
+            self._ready = False
+            self._reason = f"upstream {self.api_base}/models answered {models.status_code}: {models.text[:200]}"
+            return
+        try:
+            self._upstream_ids = _model_ids(models.json())
+        except ValueError as exc:
+            self._ready, self._reason = False, f"upstream {self.api_base}/models: {exc}"
+            return
+        if health.status_code in (404, 405):  # no /health route: answering /v1/models is healthy
+            self._ready, self._reason = bool(self._upstream_ids), "upstream lists no models"
+        elif health.status_code == 200:
+            self._ready, self._reason = True, ""
+        else:
+            self._ready = False
+            self._reason = f"upstream /health answered {health.status_code}: {health.text[:200]}"
+
+    # ----- names ----------------------------------------------------------------------------
+
+    def _aliased_id(self) -> str | None:
+        if self.alias is None or not self._upstream_ids:
+            return None
+        if self.aliased is not None and self.aliased in self._upstream_ids:
+            return self.aliased
+        return self._upstream_ids[0]
+
+    def _to_upstream(self, public: str) -> str:
+        if public == self.alias:
+            return self._aliased_id() or public
+        return public
+
+    def model_ids(self) -> list[str]:
+        aliased = self._aliased_id()
+        return [self.alias if m == aliased and self.alias else m for m in self._upstream_ids]
+
+    # ----- what the routes ask --------------------------------------------------------------
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        if self._ready:
+            return True, {"status": "ok", "models": self.model_ids()}
+        return False, {"status": "starting", "reason": self._reason, "models": self.model_ids()}
+
+    async def forward(
+        self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
+    ) -> Response:
+        upstream_id = self._to_upstream(public_model)
+        payload["model"] = upstream_id
+        headers = {**self._headers, "Content-Type": "application/json", "X-Request-Id": request_id}
+        url = self.api_base + path.removeprefix("/v1")
+        try:
+            return await self.proxy.forward(
+                url,
+                orjson.dumps(payload),
+                headers,
+                stream=stream,
+                rename=Rename.of(upstream_id, public_model),
+                on_done=_nothing,
+                response_headers={"X-Request-ID": request_id},
+            )
+        except OpenAIError as exc:
+            exc.message = exc.message.replace("the engine", f"the upstream server {self.api_base}")
+            raise
+
+
+def _model_ids(listing: Any) -> list[str]:
+    """Model ids from an OpenAI model list, base models (no ``parent``) first."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("not an OpenAI model list")
+    entries = [
+        entry for entry in data if isinstance(entry, dict) and isinstance(entry.get("id"), str)
+    ]
+    entries.sort(key=lambda entry: entry.get("parent") is not None)
+    return [entry["id"] for entry in entries]
+
+
+def _nothing() -> None:
+    pass

@@ -1,0 +1,162 @@
+"""The supervisor's state machine with real processes and signals, on a stand-in engine.
+
+The stand-in (``loragate.bench.fake_engine``) takes vLLM's command line and answers /health at
+once, so these tests exercise spawn, probes, restarts, backoff and the crash-loop breaker in
+seconds. The real engine's version of these lives in tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import psutil
+import pytest
+import pytest_asyncio
+
+from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable, SupervisorTimings
+from loragate.supervisor.engine_command import EngineSpec
+from loragate.supervisor.states import TRANSITIONS, EngineState
+
+FAKE_ENGINE = [sys.executable, "-m", "loragate.bench.fake_engine"]
+CRASHING_ENGINE = [
+    sys.executable,
+    "-c",
+    "import sys; print('ValueError: no such model'); sys.exit(3)",
+]
+FAST = SupervisorTimings(
+    startup_timeout=30,
+    probe_interval=0.2,
+    probe_timeout=0.5,
+    probe_failures=2,
+    restart_backoff=0.05,
+    restart_backoff_max=0.2,
+    crash_loop_limit=3,
+    crash_loop_window=60,
+    stable_after=60,
+    stop_timeout=5,
+)
+
+
+def supervisor(tmp_path: Path, command: list[str], **timings: float) -> EngineSupervisor:
+    def build(port: int, api_key: str) -> EngineSpec:
+        return EngineSpec(
+            model="fake", served_name="fake", port=port, api_key=api_key,
+            max_loras=1, max_lora_rank=8, command=command,
+        )  # fmt: skip
+
+    settings = SupervisorTimings(**{**FAST.__dict__, **timings})
+    return EngineSupervisor(build, cache_dir=tmp_path, timings=settings)
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def running(tmp_path: Path) -> AsyncIterator[EngineSupervisor]:
+    sup = supervisor(tmp_path, FAKE_ENGINE)
+    states: list[str] = []
+    sup.add_listener(lambda state, reason: states.append(str(state)))
+    sup.states = states  # type: ignore[attr-defined]
+    await sup.start()
+    await sup.wait_until_serving(30)
+    yield sup
+    await sup.stop()
+
+
+async def wait_for(predicate, timeout: float = 20) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        await asyncio.sleep(0.05)
+
+
+def test_every_state_can_reach_stopped() -> None:
+    for state, targets in TRANSITIONS.items():
+        if state not in (EngineState.STOPPED, EngineState.STOPPING):
+            assert EngineState.STOPPING in targets, state
+
+
+async def test_engine_exit_is_noticed_at_once_and_restarted(running: EngineSupervisor) -> None:
+    pid = running.engine_pid
+    assert pid is not None
+    killed = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    await wait_for(lambda: running.state != EngineState.READY, timeout=5)
+    assert time.monotonic() - killed < FAST.probe_interval * 2
+    await wait_for(
+        lambda: running.state == EngineState.READY and running.engine_pid not in (None, pid)
+    )
+    assert running.restarts == 1
+    assert running.last_exit is not None and running.last_exit.describe() == "killed by SIGKILL"
+    assert running.states[-3:] == ["restarting", "starting", "ready"]  # type: ignore[attr-defined]
+
+
+async def test_hung_engine_goes_unhealthy_then_is_killed_and_restarted(
+    running: EngineSupervisor,
+) -> None:
+    pid = running.engine_pid
+    assert pid is not None
+    launcher = running.launcher_pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await wait_for(
+            lambda: running.state == EngineState.READY and running.engine_pid not in (None, pid)
+        )
+    finally:
+        if psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGCONT)
+    assert "unhealthy" in running.states  # type: ignore[attr-defined]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert launcher is not None and not psutil.pid_exists(launcher)
+
+
+async def test_crash_loop_ends_failed_with_the_engine_error_until_an_admin_restart(
+    tmp_path: Path,
+) -> None:
+    sup = supervisor(tmp_path, CRASHING_ENGINE)
+    await sup.start()
+    try:
+        await wait_for(lambda: sup.state == EngineState.FAILED)
+        assert "gave up after 3 failures" in sup.reason
+        assert "ValueError: no such model" in sup.reason
+        assert sup.restarts == 2
+        with pytest.raises(EngineUnavailable, match="failed"):
+            await sup.wait_until_serving(1)
+        await asyncio.sleep(0.5)
+        assert sup.state == EngineState.FAILED  # no further tries by itself
+        await sup.restart()
+        await wait_for(lambda: sup.state != EngineState.FAILED)
+        await wait_for(lambda: sup.state == EngineState.FAILED)
+    finally:
+        await sup.stop()
+    assert sup.state == EngineState.STOPPED
+
+
+async def test_requests_wait_for_a_restart_and_a_full_queue_is_refused(
+    running: EngineSupervisor,
+) -> None:
+    running.queue_size = 2
+    pid = running.engine_pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    await wait_for(lambda: running.state != EngineState.READY, timeout=5)
+    waiters = [asyncio.create_task(running.wait_until_serving(30)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(EngineUnavailable, match="already waiting"):
+        await running.wait_until_serving(30)
+    await asyncio.gather(*waiters)
+    assert running.serving
+
+
+async def test_stop_ends_launcher_engine_and_their_group(running: EngineSupervisor) -> None:
+    launcher, engine = running.launcher_pid, running.engine_pid
+    assert launcher is not None and engine is not None
+    await running.stop()
+    assert running.state == EngineState.STOPPED
+    for pid in (launcher, engine):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not (running.log_path.parent.parent / "engine.pid").exists()
