@@ -114,7 +114,8 @@ class AdapterManager:
 
     @property
     def all_loaded(self) -> bool:
-        return not self.failures and all(e in self._loaded for e in self.routes.engine_ids())
+        served = self._loaded | {self.base_name}  # the base model itself needs no loading
+        return not self.failures and self.routes.engine_ids() <= served
 
     # ----- what the supervisor asks ----------------------------------------------------------
 
