@@ -17,13 +17,18 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-adapters_app = typer.Typer(help="Manage the adapters of a running gateway (admin API).", no_args_is_help=True)
+adapters_app = typer.Typer(
+    help="Manage the adapters of a running gateway (admin API).", no_args_is_help=True
+)
 app.add_typer(adapters_app, name="adapters")
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-UrlOption = Annotated[str, typer.Option("--url", envvar="LORAGATE_URL", help="The running gateway.")]
+UrlOption = Annotated[
+    str, typer.Option("--url", envvar="LORAGATE_URL", help="The running gateway.")
+]
 AdminKeyOption = Annotated[
-    str | None, typer.Option("--admin-key", envvar="LORAGATE_ADMIN_KEY", help="The gateway's admin key.")
+    str | None,
+    typer.Option("--admin-key", envvar="LORAGATE_ADMIN_KEY", help="The gateway's admin key."),
 ]
 
 
@@ -43,21 +48,74 @@ def serve(
             help="Base model: a local dir or a Hugging Face id. Default: the bundled demo model.",
         ),
     ] = None,
-    model_name: Annotated[str | None, typer.Option(help="The id clients use for the base model.")] = None,
+    model_name: Annotated[
+        str | None, typer.Option(help="The id clients use for the base model.")
+    ] = None,
     run_id: Annotated[str | None, typer.Option(help="Serve a Datature Vi training run.")] = None,
     secret_key: Annotated[str | None, typer.Option(envvar="DATATURE_VI_SECRET_KEY")] = None,
-    organization_id: Annotated[str | None, typer.Option(envvar="DATATURE_VI_ORGANIZATION_ID")] = None,
-    host: Annotated[str | None, typer.Option(help="Address to listen on [default: 127.0.0.1].")] = None,
+    organization_id: Annotated[
+        str | None, typer.Option(envvar="DATATURE_VI_ORGANIZATION_ID")
+    ] = None,
+    host: Annotated[
+        str | None, typer.Option(help="Address to listen on [default: 127.0.0.1].")
+    ] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on [default: 8000].")] = None,
-    lora: Annotated[list[str] | None, typer.Option(help="NAME=SOURCE, served from boot on.")] = None,
-    max_loras: Annotated[int | None, typer.Option(help="Adapters in one batch [default: 2].")] = None,
-    max_lora_rank: Annotated[int | None, typer.Option(help="Largest adapter rank [default: 16].")] = None,
+    lora: Annotated[
+        list[str] | None, typer.Option(help="NAME=SOURCE, served from boot on.")
+    ] = None,
+    max_loras: Annotated[
+        int | None, typer.Option(help="Adapters in one batch [default: 2].")
+    ] = None,
+    max_lora_rank: Annotated[
+        int | None, typer.Option(help="Largest adapter rank [default: 16].")
+    ] = None,
     max_cpu_loras: Annotated[int | None, typer.Option(help="Engine-side adapter LRU size.")] = None,
-    cache_dir: Annotated[Path | None, typer.Option(help="Adapters, models, manifest, logs.")] = None,
-    api_key: Annotated[list[str] | None, typer.Option(help="Inference API key (repeatable).")] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Adapters, models, manifest, logs.")
+    ] = None,
+    api_key: Annotated[
+        list[str] | None, typer.Option(help="Inference API key (repeatable).")
+    ] = None,
+    api_key_file: Annotated[
+        Path | None,
+        typer.Option(help="File of inference API keys, one a line (# comments); kept out of `ps`."),
+    ] = None,
     admin_key: Annotated[str | None, typer.Option(help="Key for the admin routes.")] = None,
     allowed_media_dir: Annotated[
         Path | None, typer.Option(help="Requests may read local images from this dir only.")
+    ] = None,
+    upstream_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Serve this OpenAI-compatible server (e.g. http://host:8000/v1); no engine is started."
+        ),
+    ] = None,
+    max_body_bytes: Annotated[
+        int | None, typer.Option(help="Largest request body in bytes, 413 above (default: 32 MiB).")
+    ] = None,
+    max_messages: Annotated[
+        int | None, typer.Option(help="Most messages in one chat request (default: 1024).")
+    ] = None,
+    max_tokens_cap: Annotated[
+        int | None, typer.Option(help="Largest max_tokens a request may ask for (default: no cap).")
+    ] = None,
+    max_image_bytes: Annotated[
+        int | None, typer.Option(help="Largest image in a request, in bytes (default: 20 MiB).")
+    ] = None,
+    max_image_pixels: Annotated[
+        int | None, typer.Option(help="Most pixels in an image in a request (default: 40 million).")
+    ] = None,
+    cors_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Allow browser requests from this origin (repeatable; CORS is off by default)."
+        ),
+    ] = None,
+    docs: Annotated[
+        bool | None,
+        typer.Option(
+            "--docs/--no-docs", help="Serve /docs, /redoc and /openapi.json (default: on)."
+        ),
     ] = None,
     config: Annotated[Path | None, typer.Option(help="Settings file (TOML or YAML).")] = None,
     log_json: Annotated[bool | None, typer.Option("--log-json", help="Log as JSON lines.")] = None,
@@ -79,8 +137,17 @@ def serve(
         "max_cpu_loras": max_cpu_loras,
         "cache_dir": cache_dir,
         "api_key": api_key or None,
+        "api_key_file": api_key_file,
         "admin_key": admin_key,
+        "max_body_bytes": max_body_bytes,
+        "max_messages": max_messages,
+        "max_tokens_cap": max_tokens_cap,
+        "max_image_bytes": max_image_bytes,
+        "max_image_pixels": max_image_pixels,
+        "cors_origins": cors_origin or None,
+        "docs": docs,
         "allowed_media_dir": allowed_media_dir,
+        "upstream_url": upstream_url,
         "engine_args": list(ctx.args) or None,
         "log_json": log_json,
     }
@@ -92,10 +159,12 @@ def serve(
     from loragate.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_json)
-    if settings.engine_command is None:
+    if settings.engine_command is None and settings.upstream_url is None:
         from loragate.supervisor.preflight import run_preflight
 
-        local_model = Path(settings.model) if settings.model and Path(settings.model).is_dir() else None
+        local_model = (
+            Path(settings.model) if settings.model and Path(settings.model).is_dir() else None
+        )
         problems = run_preflight(
             engine_python=settings.engine_python,
             model_dir=local_model,
@@ -110,18 +179,24 @@ def serve(
         from loragate.supervisor.ports import port_is_free
 
         if not port_is_free(settings.host, settings.port):
-            _fail(f"port {settings.port} on {settings.host} is already in use; pass --port to choose another")
-    from loragate.gateway.app import AdminKeyRequired, create_app
+            _fail(
+                f"port {settings.port} on {settings.host} is already in use; pass --port to choose another"
+            )
+    from loragate.gateway.app import create_app
+    from loragate.gateway.auth import KeyConfigError
 
     try:
         asgi = create_app(settings)
-    except AdminKeyRequired as exc:
+    except KeyConfigError as exc:
         _fail(str(exc))
         return
     import uvicorn
 
+    from loragate.gateway.runtime import server_options
+
     uvicorn.run(
         asgi,
+        **server_options(),  # type: ignore[arg-type]
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -136,7 +211,9 @@ def _admin(url: str, admin_key: str | None, method: str, path: str, body: Any = 
 
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     try:
-        response = httpx.request(method, url.rstrip("/") + path, json=body, headers=headers, timeout=None)
+        response = httpx.request(
+            method, url.rstrip("/") + path, json=body, headers=headers, timeout=None
+        )
     except httpx.HTTPError as exc:
         _fail(f"cannot reach the gateway at {url}: {exc}")
     try:
@@ -154,14 +231,26 @@ def _admin(url: str, admin_key: str | None, method: str, path: str, body: Any = 
 def adapters_add(
     name: str,
     source: str,
-    revision: Annotated[str | None, typer.Option(help="Revision, branch or tag at the source.")] = None,
-    follow: Annotated[bool, typer.Option("--follow", help="Watch the source and swap new versions in.")] = False,
+    revision: Annotated[
+        str | None, typer.Option(help="Revision, branch or tag at the source.")
+    ] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", help="Watch the source and swap new versions in.")
+    ] = False,
     url: UrlOption = DEFAULT_URL,
     admin_key: AdminKeyOption = None,
 ) -> None:
     """Add NAME from SOURCE, or swap in a new version; returns once it serves."""
-    typer.echo(f"Adding {name} from {source} (download, conversion and validation happen on the gateway)...")
-    result = _admin(url, admin_key, "PUT", f"/admin/adapters/{name}", {"source": source, "revision": revision, "follow": follow})
+    typer.echo(
+        f"Adding {name} from {source} (download, conversion and validation happen on the gateway)..."
+    )
+    result = _admin(
+        url,
+        admin_key,
+        "PUT",
+        f"/admin/adapters/{name}",
+        {"source": source, "revision": revision, "follow": follow},
+    )
     typer.echo(f"{result['name']} now serves version {result['version'][:12]} ({result['state']}).")
 
 
@@ -173,7 +262,9 @@ def adapters_list(url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None
     if not rows:
         typer.echo("no adapters")
         return
-    typer.echo(f"{'NAME':<20} {'VERSION':<13} {'PREVIOUS':<13} {'RANK':>4} {'SIZE':>10} {'STATE':<8} SOURCE")
+    typer.echo(
+        f"{'NAME':<20} {'VERSION':<13} {'PREVIOUS':<13} {'RANK':>4} {'SIZE':>10} {'STATE':<8} SOURCE"
+    )
     for row in rows:
         size = row.get("size_bytes") or 0
         typer.echo(
@@ -183,14 +274,18 @@ def adapters_list(url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None
 
 
 @adapters_app.command("remove")
-def adapters_remove(name: str, url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None) -> None:
+def adapters_remove(
+    name: str, url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None
+) -> None:
     """Stop serving NAME (its cached versions stay for a later rollback)."""
     _admin(url, admin_key, "DELETE", f"/admin/adapters/{name}")
     typer.echo(f"{name} removed")
 
 
 @adapters_app.command("rollback")
-def adapters_rollback(name: str, url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None) -> None:
+def adapters_rollback(
+    name: str, url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None
+) -> None:
     """Serve NAME's previous version again."""
     result = _admin(url, admin_key, "POST", f"/admin/adapters/{name}/rollback")
     typer.echo(f"{name} now serves version {result['version'][:12]}")
@@ -200,7 +295,9 @@ def adapters_rollback(name: str, url: UrlOption = DEFAULT_URL, admin_key: AdminK
 def adapters_convert(
     source: str,
     out: Path,
-    base: Annotated[str, typer.Option("--base", help="The base model dir (or HF id) the adapter is for.")],
+    base: Annotated[
+        str, typer.Option("--base", help="The base model dir (or HF id) the adapter is for.")
+    ],
 ) -> None:
     """Offline: convert any supported adapter format to the PEFT layout vLLM loads."""
     from loragate.adapters.commands import convert_command
@@ -215,14 +312,18 @@ def adapters_convert(
 @app.command()
 def pull(
     model: str,
-    cache_dir: Annotated[Path | None, typer.Option(help="Cache dir [default: ~/.cache/loragate].")] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Cache dir [default: ~/.cache/loragate].")
+    ] = None,
 ) -> None:
     """Download a base model into the cache (with progress), for offline serving later."""
     from loragate.adapters.models import resolve_base_model
     from loragate.demo.layout import default_cache_dir
 
     try:
-        path = resolve_base_model(model, (cache_dir or default_cache_dir()).expanduser(), progress=True)
+        path = resolve_base_model(
+            model, (cache_dir or default_cache_dir()).expanduser(), progress=True
+        )
     except Exception as exc:
         _fail(str(exc))
         return
@@ -240,8 +341,12 @@ def status(url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None) -> No
 
 @app.command("systemd-unit")
 def systemd_unit(
-    user_mode: Annotated[bool, typer.Option("--user", help="A unit for `systemctl --user`.")] = False,
-    environment_file: Annotated[Path | None, typer.Option(help="EnvironmentFile= for LORAGATE_* settings.")] = None,
+    user_mode: Annotated[
+        bool, typer.Option("--user", help="A unit for `systemctl --user`.")
+    ] = False,
+    environment_file: Annotated[
+        Path | None, typer.Option(help="EnvironmentFile= for LORAGATE_* settings.")
+    ] = None,
 ) -> None:
     """Print a Type=notify systemd unit that runs `gateway serve` from this install."""
     from loragate.supervisor.systemd_unit import default_exec_start, render_unit

@@ -35,10 +35,15 @@ class Settings(BaseSettings):
 
     # What to serve.
     model: str | None = Field(
-        default=None, description="Base model: a local directory or a Hugging Face id. Default: the bundled demo."
+        default=None,
+        description="Base model: a local directory or a Hugging Face id. Default: the bundled demo.",
     )
-    model_name: str | None = Field(default=None, description="The id clients use for the base model.")
-    lora: list[str] = Field(default_factory=list, description="Adapters served from boot on, NAME=SOURCE.")
+    model_name: str | None = Field(
+        default=None, description="The id clients use for the base model."
+    )
+    lora: list[str] = Field(
+        default_factory=list, description="Adapters served from boot on, NAME=SOURCE."
+    )
     vision_model: bool | None = Field(
         default=None,
         description=(
@@ -66,10 +71,13 @@ class Settings(BaseSettings):
     max_loras: int = Field(default=2, ge=1)
     max_lora_rank: int = Field(default=16, ge=1)
     max_cpu_loras: int | None = Field(default=None, ge=1)
-    engine_args: list[str] = Field(default_factory=list, description="Passed to the engine untouched.")
+    engine_args: list[str] = Field(
+        default_factory=list, description="Passed to the engine untouched."
+    )
     engine_python: str = Field(default=sys.executable, description="Python that runs vLLM.")
     engine_command: list[str] | None = Field(
-        default=None, description="Replaces `python -m vllm.entrypoints.openai.api_server` (advanced)."
+        default=None,
+        description="Replaces `python -m vllm.entrypoints.openai.api_server` (advanced).",
     )
     base_routing: BaseRouting = Field(
         default="auto",

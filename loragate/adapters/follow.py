@@ -91,7 +91,9 @@ class AdapterFollower:
             await self._manager.put(name, entry.source, entry.revision, follow=True)
         except AdapterError as exc:
             self.skipped[name] = (marker, str(exc))
-            log.warning("follow: skipped a new version of %s: %s (still serving the current one)", name, exc)
+            log.warning(
+                "follow: skipped a new version of %s: %s (still serving the current one)", name, exc
+            )
             return False
         self.skipped.pop(name, None)
         return True

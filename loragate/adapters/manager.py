@@ -103,7 +103,10 @@ class AdapterManager:
     # ----- what the gateway asks -----------------------------------------------------------
 
     def public_models(self) -> list[str]:
-        return [self.base_name, *sorted(n for n in self.routes.public_names() if n != self.base_name)]
+        return [
+            self.base_name,
+            *sorted(n for n in self.routes.public_names() if n != self.base_name),
+        ]
 
     def acquire(self, public: str) -> str | None:
         """The engine id serving ``public`` now, leased until ``release``; None if unknown."""
@@ -196,7 +199,9 @@ class AdapterManager:
         async with self._locks[name]:
             entry = self.manifest.entries.get(name)
             if entry is None:
-                raise AdapterError(f"no adapter named {name!r}", status=404, code="adapter_not_found")
+                raise AdapterError(
+                    f"no adapter named {name!r}", status=404, code="adapter_not_found"
+                )
             if entry.previous is None:
                 raise AdapterError(f"adapter {name!r} has no previous version to roll back to", 409)
             stored = self._stored(entry.previous)
@@ -215,7 +220,9 @@ class AdapterManager:
         async with self._locks[name]:
             entry = self.manifest.entries.get(name)
             if entry is None:
-                raise AdapterError(f"no adapter named {name!r}", status=404, code="adapter_not_found")
+                raise AdapterError(
+                    f"no adapter named {name!r}", status=404, code="adapter_not_found"
+                )
             old = self.routes.drop(name)
             del self.manifest.entries[name]
             self.manifest.save()
@@ -295,7 +302,9 @@ class AdapterManager:
                 await self._engine.load_adapter(eid, stored.path)
             except EngineRefused as exc:
                 self.counters["load_failures"] += 1
-                raise AdapterError(exc.detail, status=400, code="adapter_refused_by_engine") from None
+                raise AdapterError(
+                    exc.detail, status=400, code="adapter_refused_by_engine"
+                ) from None
             self._loaded.add(eid)
             self.counters["loads"] += 1
         self.last_load_seconds = time.perf_counter() - started
@@ -347,7 +356,11 @@ class AdapterManager:
     async def _unload_when_drained(self, name: str, old_eid: str) -> None:
         drained = await self.routes.wait_drained(old_eid, self._drain_timeout)
         if not drained:
-            log.warning("unloading %s with requests still in flight after %.0f s", old_eid, self._drain_timeout)
+            log.warning(
+                "unloading %s with requests still in flight after %.0f s",
+                old_eid,
+                self._drain_timeout,
+            )
         async with self._locks[name]:
             if old_eid in self.routes.engine_ids() or old_eid not in self._loaded:
                 return  # routed again meanwhile (a swap back), or already gone

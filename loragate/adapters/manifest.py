@@ -43,7 +43,10 @@ class Manifest:
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        payload = {"version": 1, "adapters": {n: asdict(e) for n, e in sorted(self.entries.items())}}
+        payload = {
+            "version": 1,
+            "adapters": {n: asdict(e) for n, e in sorted(self.entries.items())},
+        }
         with tmp.open("w") as handle:
             json.dump(payload, handle, indent=2)
             handle.flush()

@@ -154,13 +154,33 @@ def _file_fingerprint(path: Path) -> str:
     return f"{stat.st_size}-{stat.st_mtime_ns}"
 
 
+_MAX_DIR_ENTRIES = 10_000
+# What an adapter directory (any supported layout) holds at its top level.
+_ADAPTER_MARKERS = ("adapter_config.json", "adapters.safetensors", "model_adapter", "model_full")
+
+
 def _dir_fingerprint(path: Path) -> str:
+    """A change marker for a local adapter dir: names, sizes and mtimes of what it holds."""
+    if not any((path / marker).exists() for marker in _ADAPTER_MARKERS):
+        raise SourceError(
+            f"{path} does not look like an adapter directory (no adapter_config.json, "
+            "adapters.safetensors or Vi run layout in it)"
+        )
     digest = hashlib.sha256()
+    seen = 0
     for root, dirs, files in os.walk(path):
         dirs.sort()
         for name in sorted(files):
+            seen += 1
+            if seen > _MAX_DIR_ENTRIES:
+                raise SourceError(
+                    f"{path} holds more than {_MAX_DIR_ENTRIES} files: not an adapter"
+                )
             full = Path(root) / name
-            stat = full.stat()
+            try:
+                stat = full.lstat()  # a dangling symlink is described, not followed
+            except OSError as exc:
+                raise SourceError(f"cannot read {full}: {exc.strerror}") from None
             rel = full.relative_to(path).as_posix()
             digest.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()

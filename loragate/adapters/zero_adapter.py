@@ -22,7 +22,11 @@ def _safetensors_bytes(tensors: dict[str, tuple[int, int]]) -> bytes:
     offset = 0
     for name, (rows, cols) in tensors.items():
         size = rows * cols * 4
-        header[name] = {"dtype": "F32", "shape": [rows, cols], "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": "F32",
+            "shape": [rows, cols],
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

@@ -36,7 +36,71 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-WORDS = ["hello", "world", "what", "is", "the", "answer", "say", "something", "tell", "me", "a", "story", "about", "cats", "dogs", "and", "foxes", "pong", "ping", "owl", "hoot", "fox", "quick", "brown", "jumps", "over", "lazy", "dog", "weather", "today", "please", "explain", "how", "why", "when", "where", "who", "which", "number", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "model", "adapter", "gateway", "engine", "local", "fast", "small", "tiny", "test", "question", "reply", "write", "poem", "code"]
+WORDS = [
+    "hello",
+    "world",
+    "what",
+    "is",
+    "the",
+    "answer",
+    "say",
+    "something",
+    "tell",
+    "me",
+    "a",
+    "story",
+    "about",
+    "cats",
+    "dogs",
+    "and",
+    "foxes",
+    "pong",
+    "ping",
+    "owl",
+    "hoot",
+    "fox",
+    "quick",
+    "brown",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "weather",
+    "today",
+    "please",
+    "explain",
+    "how",
+    "why",
+    "when",
+    "where",
+    "who",
+    "which",
+    "number",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "model",
+    "adapter",
+    "gateway",
+    "engine",
+    "local",
+    "fast",
+    "small",
+    "tiny",
+    "test",
+    "question",
+    "reply",
+    "write",
+    "poem",
+    "code",
+]
 TRAIN_STEPS = 200
 SEED = 1234
 
@@ -137,7 +201,15 @@ def _train_adapter(base_dir: Path, tokenizer: Any, phrase: str, out: Path) -> No
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
     )
     peft_model = get_peft_model(model, lora)
 
@@ -153,13 +225,13 @@ def _train_adapter(base_dir: Path, tokenizer: Any, phrase: str, out: Path) -> No
         labels = [-100] * len(prompt_ids) + answer_ids
         rows.append((ids, labels))
     width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in rows])
+    input_ids = torch.tensor(
+        [ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in rows]
+    )
     labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows])
     attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])
 
-    optimizer = torch.optim.Adam(
-        [p for p in peft_model.parameters() if p.requires_grad], lr=1e-2
-    )
+    optimizer = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
     peft_model.train()
     for _ in range(TRAIN_STEPS):
         loss = peft_model(input_ids=input_ids, attention_mask=attention, labels=labels).loss

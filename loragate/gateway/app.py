@@ -12,9 +12,13 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loragate.gateway import routes_admin, routes_health, routes_inference
+from loragate.gateway import routes_admin, routes_health, routes_inference, routes_metrics
+from loragate.gateway.auth import KeyConfigError, check_key_settings
 from loragate.gateway.backend import GatewayBackend
 from loragate.gateway.errors import install_error_handlers
+from loragate.gateway.inference_backend import InferenceBackend, as_gateway_backend
+from loragate.gateway.metrics import RequestObserver
+from loragate.gateway.openapi_schemas import install_openapi
 from loragate.gateway.runtime import Gateway
 from loragate.settings import Settings
 
@@ -55,18 +59,31 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class AdminKeyRequired(RuntimeError):
+class AdminKeyRequired(KeyConfigError):
     pass
 
 
-def create_app(settings: Settings, backend: GatewayBackend | None = None) -> FastAPI:
-    """Build the gateway app. Without ``backend``, it supervises a vLLM engine itself."""
+def create_app(
+    settings: Settings, backend: GatewayBackend | InferenceBackend | None = None
+) -> FastAPI:
+    """Build the gateway app.
+
+    ``backend`` may be an ``InferenceBackend`` (wrapped) or a ``GatewayBackend``. Without one,
+    the app proxies ``settings.upstream_url`` when set, and otherwise supervises a vLLM engine.
+    """
     if settings.admin_key is None and not is_loopback(settings.host):
         raise AdminKeyRequired(
             f"the gateway listens on {settings.host}, beyond loopback, but no admin key is set: "
             "pass --admin-key KEY (or LORAGATE_ADMIN_KEY) so nobody else can change adapters"
         )
-    if backend is None:
+    inference_keys = check_key_settings(settings)
+    if backend is not None:
+        backend = as_gateway_backend(backend)
+    elif settings.upstream_url is not None:
+        from loragate.gateway.upstream_backend import UpstreamBackend
+
+        backend = UpstreamBackend(settings)
+    else:
         from loragate.gateway.engine_backend import SupervisedEngineBackend
 
         backend = SupervisedEngineBackend(settings)
@@ -75,20 +92,31 @@ def create_app(settings: Settings, backend: GatewayBackend | None = None) -> Fas
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.admin_key is None:
-            log.warning("admin routes are open without a key (the gateway listens on loopback only)")
+            log.warning(
+                "admin routes are open without a key (the gateway listens on loopback only)"
+            )
+        if inference_keys:
+            log.info("inference routes need one of %d API keys", len(inference_keys))
+        else:
+            log.info("inference routes are open: no --api-key or --api-key-file was given")
         await backend.start()
         try:
             yield
         finally:
             await backend.stop()
 
-    docs: dict[str, Any] = {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    docs: dict[str, Any] = (
+        {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    )
     app = FastAPI(title="loragate", version="0.1.0", lifespan=lifespan, **docs)
     app.state.gateway = gateway
     install_error_handlers(app)
     app.include_router(routes_health.router)
     app.include_router(routes_inference.router)
     app.include_router(routes_admin.router)
+    app.include_router(routes_metrics.router)
+    install_openapi(app)
+    app.add_middleware(routes_inference.InferenceFastPath)  # innermost: inside CORS and headers
     app.add_middleware(SecurityHeaders)
     if settings.cors_origins:
         app.add_middleware(
@@ -97,4 +125,7 @@ def create_app(settings: Settings, backend: GatewayBackend | None = None) -> Fas
             allow_methods=["GET", "POST", "PUT", "DELETE", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
         )
+    # Outermost, so request durations include every other middleware.
+    access_log = bool(getattr(settings, "access_log", False))
+    app.add_middleware(RequestObserver, metrics=gateway.metrics, access_log_enabled=access_log)
     return app

@@ -262,7 +262,7 @@ async def _check_messages(messages: Any, media: MediaPolicy, max_messages: int) 
         if not isinstance(message, dict):
             raise _bad(f"{where} must be an object.", param=where)
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list or object is unhashable
             raise _bad(
                 f"{where}.role is {role!r}; use one of {', '.join(sorted(ROLES))}.",
                 param=f"{where}.role",

@@ -139,11 +139,15 @@ class SupervisedEngineBackend:
         elif settings.model is None:
             demo = await asyncio.to_thread(ensure_demo, None, settings.engine_python)
             model_dir = demo_base_dir(demo)
-            boot_loras = [(a.name, str(demo_adapter_dir(demo, a.name))) for a in DEMO_ADAPTERS] + boot_loras
+            boot_loras = [
+                (a.name, str(demo_adapter_dir(demo, a.name))) for a in DEMO_ADAPTERS
+            ] + boot_loras
             self._engine_env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
             if not any(arg.startswith("--dtype") for arg in settings.engine_args):
                 self._extra_engine_args = ["--dtype", "float32"]
-            if not any(arg.startswith("--structured-outputs-config") for arg in settings.engine_args):
+            if not any(
+                arg.startswith("--structured-outputs-config") for arg in settings.engine_args
+            ):
                 # Under a JSON schema the random demo model would pad with whitespace forever;
                 # xgrammar takes this only at engine start (and "backend" must be named).
                 self._extra_engine_args += [
@@ -241,9 +245,12 @@ class SupervisedEngineBackend:
             return True, {"status": "ok", "models": self.model_ids()}
         if self.supervisor.serving:
             body["status"] = "starting" if state == EngineState.READY else str(state)
-            body["reason"] = "adapters not loaded: " + "; ".join(
-                f"{name}: {error}" for name, error in self.manager.failures.items()
-            ) if self.manager.failures else "loading adapters"
+            body["reason"] = (
+                "adapters not loaded: "
+                + "; ".join(f"{name}: {error}" for name, error in self.manager.failures.items())
+                if self.manager.failures
+                else "loading adapters"
+            )
         return False, body
 
     async def _wait_for_engine(self, deadline: float) -> None:
@@ -253,8 +260,10 @@ class SupervisedEngineBackend:
                 await asyncio.wait_for(self._prepared.wait(), max(0.0, remaining))
             except TimeoutError:
                 raise OpenAIError(
-                    503, "the gateway is still preparing the model; retry shortly",
-                    code="engine_starting", headers={"Retry-After": "10"},
+                    503,
+                    "the gateway is still preparing the model; retry shortly",
+                    code="engine_starting",
+                    headers={"Retry-After": "10"},
                 ) from None
         if self._prepare_error is not None:
             raise OpenAIError(503, self._prepare_error, code="engine_failed")
@@ -262,7 +271,10 @@ class SupervisedEngineBackend:
             await self.supervisor.wait_until_serving(max(0.0, deadline - time.monotonic()))
         except EngineUnavailable as exc:
             raise OpenAIError(
-                503, str(exc), code="engine_unavailable", headers={"Retry-After": str(exc.retry_after)}
+                503,
+                str(exc),
+                code="engine_unavailable",
+                headers={"Retry-After": str(exc.retry_after)},
             ) from None
 
     async def forward(

@@ -39,12 +39,19 @@ class OpenAIError(Exception):
         self.message = message
         self.code = code
         self.param = param
-        self.type = type_ or _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+        self.type = type_ or _TYPES.get(
+            status, "api_error" if status >= 500 else "invalid_request_error"
+        )
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
         }
 
     def response(self) -> Response:
@@ -69,13 +76,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        return OpenAIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
+        return OpenAIError(
+            exc.status_code, str(exc.detail), headers=dict(exc.headers or {})
+        ).response()
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg"))
+        message = (
+            f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg"))
+        )
         return OpenAIError(400, message, param=where or None, code="invalid_request").response()
 
     app.add_exception_handler(OpenAIError, on_openai_error)

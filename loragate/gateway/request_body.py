@@ -24,11 +24,15 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         chunks.append(chunk)
     raw = b"".join(chunks)
     if not raw:
-        raise OpenAIError(400, "The request body is empty; send a JSON object.", code="invalid_json")
+        raise OpenAIError(
+            400, "The request body is empty; send a JSON object.", code="invalid_json"
+        )
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise OpenAIError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+        raise OpenAIError(
+            400, f"The request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
     return body

@@ -4,21 +4,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse, Response
 
 from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.gateway.engine_backend import SupervisedEngineBackend
 from loragate.gateway.errors import OpenAIError
+from loragate.gateway.openapi_schemas import LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAPTER, json_body
 from loragate.gateway.request_body import read_json_object
 from loragate.gateway.runtime import Gateway
 
-router = APIRouter()
+
+def _require_admin_key(request: Request) -> None:
+    # A router dependency runs before FastAPI validates a body: no unauthenticated client
+    # learns anything from how its body is judged, and no admin route can forget the check.
+    gateway: Gateway = request.app.state.gateway
+    gateway.keys.check_admin(request)
+
+
+router = APIRouter(dependencies=[Depends(_require_admin_key)])
 
 
 class AdapterRequest(BaseModel):
-    source: str = Field(description="Local dir or archive, hf://ORG/REPO[@REV][/SUBDIR], https://…, tinker://…")
+    source: str = Field(
+        description="Local dir or archive, hf://ORG/REPO[@REV][/SUBDIR], https://…, tinker://…"
+    )
     revision: str | None = None
     follow: bool = False
 
@@ -28,7 +39,9 @@ def _engine_backend(request: Request) -> SupervisedEngineBackend:
     gateway.keys.check_admin(request)
     backend = gateway.backend
     if not isinstance(backend, SupervisedEngineBackend):
-        raise OpenAIError(404, "This gateway's backend has no managed engine or adapters.", code="not_supported")
+        raise OpenAIError(
+            404, "This gateway's backend has no managed engine or adapters.", code="not_supported"
+        )
     return backend
 
 
@@ -74,14 +87,16 @@ async def rollback_adapter(name: str, request: Request) -> dict[str, Any]:
         raise _fail(exc) from None
 
 
-@router.post("/v1/load_lora_adapter")
+@router.post("/v1/load_lora_adapter", openapi_extra=json_body(LOAD_LORA_ADAPTER))
 async def load_lora_adapter(request: Request) -> Response:
     """vLLM-compatible: goes through the manager (store, validation, versioned swap)."""
     manager = _manager(request)
     body = await read_json_object(request, 1 << 20)
     name, path = body.get("lora_name"), body.get("lora_path")
     if not isinstance(name, str) or not isinstance(path, str):
-        raise OpenAIError(400, "send {'lora_name': NAME, 'lora_path': SOURCE}", code="invalid_request")
+        raise OpenAIError(
+            400, "send {'lora_name': NAME, 'lora_path': SOURCE}", code="invalid_request"
+        )
     try:
         await manager.put(name, path)
     except AdapterError as exc:
@@ -89,7 +104,7 @@ async def load_lora_adapter(request: Request) -> Response:
     return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
 
-@router.post("/v1/unload_lora_adapter")
+@router.post("/v1/unload_lora_adapter", openapi_extra=json_body(UNLOAD_LORA_ADAPTER))
 async def unload_lora_adapter(request: Request) -> Response:
     manager = _manager(request)
     body = await read_json_object(request, 1 << 20)
@@ -100,7 +115,9 @@ async def unload_lora_adapter(request: Request) -> Response:
         await manager.remove(name)
     except AdapterError as exc:
         raise _fail(exc) from None
-    return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+    return Response(
+        f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain"
+    )
 
 
 @router.get("/admin/engine")
@@ -113,4 +130,6 @@ async def engine_info(request: Request) -> dict[str, Any]:
 async def engine_restart(request: Request) -> JSONResponse:
     backend = _engine_backend(request)
     await backend.supervisor.restart()
-    return JSONResponse({"restarting": True, "state": str(backend.supervisor.state)}, status_code=202)
+    return JSONResponse(
+        {"restarting": True, "state": str(backend.supervisor.state)}, status_code=202
+    )

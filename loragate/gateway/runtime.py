@@ -1,7 +1,8 @@
-"""The gateway's runtime: settings, keys and the backend, shared by every route."""
+"""The gateway's runtime: settings, keys, metrics and the backend, shared by every route."""
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from typing import Any
 
@@ -9,6 +10,8 @@ from loragate.gateway.auth import KeyChecker
 from loragate.gateway.backend import GatewayBackend
 from loragate.gateway.chat_request import normalize_chat_request
 from loragate.gateway.errors import OpenAIError
+from loragate.gateway.metrics import GatewayMetrics
+from loragate.gateway.parameters import Route, check_parameters
 from loragate.settings import Settings
 
 
@@ -18,23 +21,44 @@ class Gateway:
         self.backend = backend
         self.keys = KeyChecker(settings.inference_keys(), settings.admin_key)
         self.started_at = time.time()
+        self.metrics = GatewayMetrics()
 
     async def chat_request(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Check a chat request and bring it to OpenAI's shape (Vi requests included)."""
         payload = await normalize_chat_request(payload, self.settings)
-        self.check_generation_limits(payload)
+        self.check_generation_limits(payload, "chat")
         return payload
 
-    def check_generation_limits(self, payload: dict[str, Any]) -> None:
+    def check_generation_limits(
+        self, payload: dict[str, Any], route: Route = "completions"
+    ) -> None:
+        check_parameters(payload, route)
         cap = self.settings.max_tokens_cap
         for field in ("max_tokens", "max_completion_tokens"):
             value = payload.get(field)
             if value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise OpenAIError(400, f"'{field}' must be a positive integer", param=field, code="invalid_value")
+                raise OpenAIError(
+                    400, f"'{field}' must be a positive integer", param=field, code="invalid_value"
+                )
             if cap is not None and value > cap:
                 raise OpenAIError(
-                    400, f"'{field}' is {value}, above this gateway's cap of {cap} (--max-tokens-cap)",
-                    param=field, code="max_tokens_too_large",
+                    400,
+                    f"'{field}' is {value}, above this gateway's cap of {cap} (--max-tokens-cap)",
+                    param=field,
+                    code="max_tokens_too_large",
                 )
+
+
+def server_options() -> dict[str, str]:
+    """uvicorn's fastest event loop and HTTP parser, where they are installed (the ``fast`` extra).
+
+    uvloop and httptools roughly halve the time uvicorn itself spends per request.
+    """
+    options: dict[str, str] = {}
+    if importlib.util.find_spec("uvloop") is not None:
+        options["loop"] = "uvloop"
+    if importlib.util.find_spec("httptools") is not None:
+        options["http"] = "httptools"
+    return options

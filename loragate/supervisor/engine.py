@@ -248,7 +248,9 @@ class EngineSupervisor:
         try:
             while self.state not in SERVING:
                 if self.state not in RECOVERING:
-                    raise EngineUnavailable(f"the engine is {self.state}: {self.reason}", retry_after=30)
+                    raise EngineUnavailable(
+                        f"the engine is {self.state}: {self.reason}", retry_after=30
+                    )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise EngineUnavailable(
@@ -267,7 +269,9 @@ class EngineSupervisor:
             "since": self.state_since,
             "pid": self.engine_pid,
             "launcher_pid": self.launcher_pid,
-            "uptime_s": round(now - self._spawned_at, 1) if self._spawned_at and self._proc else None,
+            "uptime_s": round(now - self._spawned_at, 1)
+            if self._spawned_at and self._proc
+            else None,
             "restarts": self.restarts,
             "last_exit": self.last_exit.describe() if self.last_exit else None,
             "last_exit_at": self.last_exit.at if self.last_exit else None,

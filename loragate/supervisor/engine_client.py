@@ -32,7 +32,9 @@ class EngineClient:
             raise EngineUnavailable("the engine has not started yet")
         return endpoint.base_url, endpoint.headers
 
-    async def _send(self, method: str, path: str, body: dict[str, str] | None = None) -> httpx.Response:
+    async def _send(
+        self, method: str, path: str, body: dict[str, str] | None = None
+    ) -> httpx.Response:
         base, headers = self._endpoint()
         try:
             return await self._http.request(method, f"{base}{path}", headers=headers, json=body)

@@ -37,7 +37,6 @@ def engine_argv(spec: EngineSpec) -> list[str]:
         "--served-model-name", spec.served_name,
         "--host", "127.0.0.1",
         "--port", str(spec.port),
-        "--api-key", spec.api_key,
         "--enable-lora",
         "--max-loras", str(spec.max_loras),
         "--max-lora-rank", str(spec.max_lora_rank),
@@ -59,6 +58,9 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
     env.update(spec.env)
     # Without it vLLM has no /v1/load_lora_adapter route at all.
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
+    # The per-boot key goes in the environment (readable by this user only), not on the
+    # command line, which every local user can read in /proc/<pid>/cmdline.
+    env["VLLM_API_KEY"] = spec.api_key
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

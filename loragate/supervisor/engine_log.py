@@ -16,7 +16,9 @@ def open_engine_log(path: Path) -> BinaryIO:
     if path.exists() and path.stat().st_size > MAX_LOG_BYTES:
         os.replace(path, path.with_suffix(path.suffix + ".1"))
     handle = path.open("ab", buffering=0)
-    handle.write(f"\n===== loragate: engine boot at {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
+    handle.write(
+        f"\n===== loragate: engine boot at {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode()
+    )
     return handle
 
 

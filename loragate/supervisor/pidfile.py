@@ -63,7 +63,11 @@ class EnginePidFile:
         self.path = cache_dir / "engine.pid"
 
     def write(self, pid: int) -> None:
-        record = {"pid": pid, "create_time": psutil.Process(pid).create_time(), "gateway": os.getpid()}
+        record = {
+            "pid": pid,
+            "create_time": psutil.Process(pid).create_time(),
+            "gateway": os.getpid(),
+        }
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)

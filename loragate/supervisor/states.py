@@ -1,10 +1,10 @@
 """The engine's life cycle, as one table of allowed transitions.
 
-    stopped -> starting -> ready <-> unhealthy
-                  |          |          |
-                  v          v          v
-               restarting (backoff) -> starting ... or -> failed (crash loop / cannot boot)
-    any running state -> stopping -> stopped;  failed -> starting (admin restart)
+stopped -> starting -> ready <-> unhealthy
+              |          |          |
+              v          v          v
+           restarting (backoff) -> starting ... or -> failed (crash loop / cannot boot)
+any running state -> stopping -> stopped;  failed -> starting (admin restart)
 """
 
 from __future__ import annotations

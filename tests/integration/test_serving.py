@@ -88,7 +88,9 @@ def test_unknown_model_is_404_naming_the_valid_ids(client: OpenAI) -> None:
 
 
 def test_legacy_completions_are_proxied(client: OpenAI) -> None:
-    response = client.completions.create(model=BASE, prompt="hello world", max_tokens=5, temperature=0)
+    response = client.completions.create(
+        model=BASE, prompt="hello world", max_tokens=5, temperature=0
+    )
     assert response.model == BASE
     assert response.choices[0].text
     assert response.usage is not None and response.usage.completion_tokens == 5

@@ -1,0 +1,3 @@
+from loragate.bench.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,249 @@
+"""An OpenAI-compatible server that answers at once: the upstream for pricing the proxy alone.
+
+It takes vLLM's command line (``--port``, ``--api-key``, ``--served-model-name``,
+``--lora-modules``; everything else is ignored), so ``gateway serve`` can supervise it as its
+engine, and speaks just enough of vLLM's API for that: ``/health``, ``/v1/models``,
+``/metrics``, runtime LoRA load/unload, and chat/legacy completions (streamed or not). It is a
+raw asyncio protocol with httptools' parser, so it costs far less per request than whatever
+sits in front of it.
+
+    python -m loragate.bench.fake_engine --port 8100 [--api-key KEY] [--served-model-name NAME]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import cast
+
+import httptools
+import orjson
+
+
+@dataclass
+class FakeEngine:
+    api_key: str | None
+    models: list[str]
+    # Seconds between streamed events (0: the whole stream in one write), like a real engine's
+    # time per output token.
+    token_interval: float = 0.0
+    requests: int = 0
+    loaded: dict[str, str] = field(default_factory=dict)
+
+
+def _response(status: int, body: bytes, content_type: bytes = b"application/json") -> bytes:
+    reason = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found"}.get(
+        status, b"X"
+    )
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+        % (status, reason, content_type, len(body))
+        + body
+    )
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class _Request(asyncio.Protocol):
+    def __init__(self, state: FakeEngine) -> None:
+        self.state = state
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url = b""
+        self.auth = b""
+        self.body: list[bytes] = []
+        self.header_name = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, but have the same methods.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport is not None:
+                self.transport.close()
+
+    def on_message_begin(self) -> None:
+        self.url = b""
+        self.auth = b""
+        self.body = []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"authorization":
+            self.auth = value
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        assert self.transport is not None
+        answer = self.answer(self.parser.get_method(), self.url.split(b"?", 1)[0])
+        self.transport.write(answer)
+        if not self.parser.should_keep_alive():
+            self.transport.close()
+
+    def answer(self, method: bytes, path: bytes) -> bytes:
+        state = self.state
+        if path == b"/health":
+            return _response(200, b"")
+        if path == b"/metrics":
+            text = (
+                "# HELP vllm:num_requests_running Requests running.\n"
+                "# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{model_name="{state.models[0]}"}} 0.0\n'
+                "# HELP vllm:request_success_total Finished requests.\n"
+                "# TYPE vllm:request_success_total counter\n"
+                f'vllm:request_success_total{{model_name="{state.models[0]}"}} {float(state.requests)}\n'
+            )
+            return _response(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
+        if state.api_key is not None and self.auth != b"Bearer " + state.api_key.encode():
+            return _response(401, b'{"error":"Unauthorized"}')
+        if path == b"/v1/models":
+            data = [{"id": m, "object": "model", "owned_by": "bench"} for m in self.served()]
+            return _response(200, orjson.dumps({"object": "list", "data": data}))
+        body = orjson.loads(b"".join(self.body) or b"{}")
+        if path == b"/v1/load_lora_adapter":
+            state.loaded[body["lora_name"]] = body.get("lora_path", "")
+            return _response(200, b"Success: LoRA adapter added successfully.", b"text/plain")
+        if path == b"/v1/unload_lora_adapter":
+            state.loaded.pop(body.get("lora_name", ""), None)
+            return _response(200, b"Success: LoRA adapter removed successfully.", b"text/plain")
+        if path in (b"/v1/chat/completions", b"/v1/completions"):
+            return self.complete(body, chat=path == b"/v1/chat/completions")
+        return _response(404, b'{"detail":"Not Found"}')
+
+    def served(self) -> list[str]:
+        return [*self.state.models, *self.state.loaded]
+
+    def complete(self, body: dict[str, object], chat: bool) -> bytes:
+        model = body.get("model")
+        if model not in self.served():
+            message = f"The model `{model}` does not exist."
+            return _response(404, orjson.dumps({"error": {"message": message, "code": 404}}))
+        self.state.requests += 1
+        tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        assert isinstance(tokens, int)
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if body.get("stream") is not True:
+            choice: dict[str, object] = {"index": 0, "finish_reason": "length", "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": " x" * tokens}
+            else:
+                choice["text"] = " x" * tokens
+            answer = {
+                "id": "cmpl-bench", "object": kind, "created": created, "model": model,
+                "choices": [choice],
+                "usage": {"prompt_tokens": 8, "completion_tokens": tokens, "total_tokens": 8 + tokens},
+            }  # fmt: skip
+            return _response(200, orjson.dumps(answer))
+        head = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        events = []
+        for index in range(tokens):
+            delta: dict[str, object] = {"index": 0, "finish_reason": None}
+            if chat:
+                delta["delta"] = (
+                    {"content": " x"} if index else {"role": "assistant", "content": " x"}
+                )
+            else:
+                delta["text"] = " x"
+            chunk = {
+                "id": "cmpl-bench",
+                "object": kind + ".chunk",
+                "created": created,
+                "model": model,
+                "choices": [delta],
+            }
+            events.append(_chunk(b"data: " + orjson.dumps(chunk) + b"\n\n"))
+        events.append(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        if self.state.token_interval <= 0:
+            return head + b"".join(events)
+        asyncio.get_running_loop().create_task(self.trickle(events))
+        return head
+
+    async def trickle(self, events: list[bytes]) -> None:
+        for event in events:
+            await asyncio.sleep(self.state.token_interval)
+            if self.transport is None or self.transport.is_closing():
+                return
+            self.transport.write(event)
+
+
+def parse_args(argv: list[str]) -> tuple[str, int, FakeEngine]:
+    """vLLM's flags that matter here; the rest are accepted and ignored."""
+    # Like vLLM, the key may come from VLLM_API_KEY (that is how the supervisor passes it).
+    host, port, key, names, interval = "127.0.0.1", 8000, os.environ.get("VLLM_API_KEY"), [], 0.0
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        nxt = argv[index + 1] if index + 1 < len(argv) else ""
+        if arg == "--host":
+            host = nxt
+        elif arg == "--port":
+            port = int(nxt)
+        elif arg == "--api-key":
+            key = nxt
+        elif arg == "--token-interval":
+            interval = float(nxt)
+        elif arg == "--served-model-name":
+            names.append(nxt)
+        elif arg == "--lora-modules":
+            index += 1
+            while index < len(argv) and not argv[index].startswith("--"):
+                spec = argv[index]
+                names.append(
+                    orjson.loads(spec)["name"] if spec.startswith("{") else spec.split("=")[0]
+                )
+                index += 1
+            continue
+        index += 1
+    return (
+        host,
+        port,
+        FakeEngine(api_key=key, models=names or ["bench-model"], token_interval=interval),
+    )
+
+
+async def start_server(state: FakeEngine, host: str = "127.0.0.1", port: int = 0) -> asyncio.Server:
+    """Listen on ``host:port`` (0: any free port) and answer as the engine ``state`` describes."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: _Request(state), host, port, backlog=1024)
+
+
+async def serve(host: str, port: int, state: FakeEngine) -> None:
+    server = await start_server(state, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    host, port, state = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(host, port, state))
+    else:
+        uvloop.run(serve(host, port, state))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

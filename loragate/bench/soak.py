@@ -1,0 +1,599 @@
+"""Soak: mixed streaming and plain load for a bounded time, adapter swaps, one engine kill.
+
+``python scripts/soak.py`` starts its own ``gateway serve`` on the demo (or takes ``--url`` of
+a running one) and, for ``--duration`` seconds, keeps ``--concurrency`` clients busy with chat
+requests to the base model, the three demo adapters and one adapter (``soak-swap``) that is
+swapped between two versions every ``--swap-every`` seconds. Halfway (``--kill-at``) it
+SIGKILLs the engine (the pid from ``GET /admin/engine``) and times its way back.
+
+Every request is classified. A failure is *expected* only when the request was in flight when
+the engine died and got a clear error (an OpenAI-shaped error answer or stream event);
+anything else that failed is *lost*. An answer from the wrong adapter is a misroute. The
+report gives requests sent, succeeded and failed (with the reasons), the swaps, the kill and
+the recovery, and the gateway's resident memory and open descriptors at the start and end
+(sampled throughout); the verdict fails on any lost or misrouted request, or on growth of
+memory or descriptors beyond noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from loragate.demo.layout import DEMO_ADAPTERS, DEMO_MODEL_NAME, demo_adapter_dir, ensure_demo
+
+SWAPPED = "soak-swap"
+PHRASES = {adapter.name: adapter.phrase.strip() for adapter in DEMO_ADAPTERS}
+# An adapter's answer may stop early (" PONG" for " PONG PONG"); its phrase's word tells it.
+MARKERS = {name: phrase.split()[0] for name, phrase in PHRASES.items()}
+RSS_NOISE_BYTES = 24 * 1024 * 1024  # allocator and cache warm-up; a leak grows past it
+FD_NOISE = 8  # keep-alive connections to the engine come and go
+
+
+@dataclass
+class Outcome:
+    started: float  # seconds since the soak began
+    ended: float
+    model: str
+    stream: bool
+    ok: bool
+    reason: str = ""  # why it failed; empty when ok
+    clear_error: bool = False  # the client got an OpenAI-shaped error, not a broken connection
+
+
+@dataclass
+class Sample:
+    at: float
+    rss_bytes: int
+    fds: int
+    threads: int
+    sockets: int = 0  # TCP sockets among the descriptors (listening, clients, engine pool)
+    files: int = 0  # regular files among them (logs, lock file)
+
+
+@dataclass
+class Kill:
+    pid: int
+    at: float
+    noticed_at: float | None = None  # when GET /admin/engine first said it was not ready
+    ready_again_at: float | None = None
+    restarts_before: int = 0
+    restarts_after: int | None = None
+
+
+@dataclass
+class SoakResult:
+    duration_s: float
+    concurrency: int
+    gateway_pid: int | None
+    outcomes: list[Outcome] = field(default_factory=list)
+    swaps: list[tuple[float, bool, str]] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    start: Sample | None = None
+    end: Sample | None = None
+    kill: Kill | None = None
+
+    # ----- the verdict --------------------------------------------------------------------
+
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes if not o.ok]
+
+    def killed_in_flight(self, outcome: Outcome) -> bool:
+        """Whether ``outcome`` was running on the engine when it was killed."""
+        if self.kill is None:
+            return False
+        return outcome.started <= self.kill.at <= outcome.ended
+
+    def sent_before_noticed(self, outcome: Outcome) -> bool:
+        """Whether ``outcome`` arrived after the kill but before the gateway saw the engine gone."""
+        kill = self.kill
+        if kill is None or kill.noticed_at is None:
+            return False
+        return kill.at < outcome.started <= kill.noticed_at
+
+    def expected_failures(self) -> list[Outcome]:
+        return [
+            o
+            for o in self.failures()
+            if self.killed_in_flight(o) and o.clear_error and not o.reason.startswith("misrouted")
+        ]
+
+    def lost(self) -> list[Outcome]:
+        """Failures that are neither expected (the kill) nor misroutes (counted on their own)."""
+        excused = {id(o) for o in [*self.expected_failures(), *self.misrouted()]}
+        return [o for o in self.failures() if id(o) not in excused]
+
+    def misrouted(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.reason.startswith("misrouted")]
+
+    def rss_growth(self) -> int | None:
+        if self.start is None or self.end is None:
+            return None
+        return self.end.rss_bytes - self.start.rss_bytes
+
+    def fd_growth(self) -> int | None:
+        if self.start is None or self.end is None:
+            return None
+        return self.end.fds - self.start.fds
+
+    def problems(self) -> list[str]:
+        problems = []
+        if not self.outcomes:
+            problems.append("no request was sent")
+        if self.lost():
+            problems.append(f"{len(self.lost())} requests lost")
+        if self.misrouted():
+            problems.append(f"{len(self.misrouted())} requests misrouted")
+        if self.kill is not None and self.kill.ready_again_at is None:
+            problems.append("the engine did not come back after the kill")
+        growth = self.rss_growth()
+        if growth is not None and growth > RSS_NOISE_BYTES:
+            problems.append(f"gateway RSS grew by {growth / 2**20:.1f} MiB")
+        fds = self.fd_growth()
+        if fds is not None and fds > FD_NOISE:
+            problems.append(f"gateway open descriptors grew by {fds}")
+        return problems
+
+    # ----- the report -----------------------------------------------------------------------
+
+    def report(self) -> str:
+        outcomes = self.outcomes
+        ok = [o for o in outcomes if o.ok]
+        lines = [
+            f"soak: {self.duration_s:.0f} s, {self.concurrency} concurrent clients, "
+            f"gateway pid {self.gateway_pid}",
+            f"requests: sent {len(outcomes)}, succeeded {len(ok)}, failed {len(self.failures())}",
+        ]
+        for stream in (False, True):
+            group = [o for o in outcomes if o.stream is stream]
+            lines.append(
+                f"  {'streaming' if stream else 'non-streaming'}: {len(group)} sent, "
+                f"{sum(o.ok for o in group)} succeeded"
+            )
+        by_model = Counter(o.model for o in outcomes)
+        lines.append("  by model: " + ", ".join(f"{m} {n}" for m, n in sorted(by_model.items())))
+        expected = self.expected_failures()
+        lines.append(
+            f"  failed while in flight on the killed engine (clear error): {len(expected)}"
+        )
+        for reason, count in Counter(o.reason for o in expected).most_common():
+            lines.append(f"    {count} x {reason}")
+        lost = self.lost()
+        lines.append(f"  lost (any other failure): {len(lost)}")
+        for reason, count in Counter(o.reason for o in lost).most_common(10):
+            lines.append(f"    {count} x {reason}")
+        unnoticed = [o for o in lost if self.sent_before_noticed(o)]
+        if unnoticed:
+            lines.append(
+                f"    of which {len(unnoticed)} arrived after the kill, before the gateway saw the "
+                "engine gone"
+            )
+        lines.append(f"  misrouted: {len(self.misrouted())}")
+        if ok:
+            latencies = sorted(o.ended - o.started for o in ok)
+            p50, p95 = (
+                latencies[min(len(latencies) - 1, int(q * len(latencies)))] for q in (0.5, 0.95)
+            )
+            lines.append(
+                f"  latency of successes: p50 {p50:.2f} s, p95 {p95:.2f} s, max {latencies[-1]:.2f} s"
+            )
+        swaps_ok = sum(1 for _, good, _ in self.swaps if good)
+        lines.append(
+            f"adapter swaps ({SWAPPED}): {swaps_ok} ok, {len(self.swaps) - swaps_ok} failed"
+        )
+        for at, good, detail in self.swaps:
+            if not good:
+                lines.append(f"    at {at:.1f} s: {detail}")
+        if self.kill is not None:
+            kill = self.kill
+            back = (
+                f"ready again {kill.ready_again_at - kill.at:.1f} s later"
+                if kill.ready_again_at is not None
+                else "NOT ready again before the end"
+            )
+            noticed = (
+                f"noticed by the gateway {kill.noticed_at - kill.at:.2f} s later, "
+                if kill.noticed_at is not None
+                else ""
+            )
+            lines.append(
+                f"engine kill: SIGKILL to pid {kill.pid} at {kill.at:.1f} s; {noticed}{back} "
+                f"(restarts {kill.restarts_before} -> {kill.restarts_after})"
+            )
+        if self.start is not None and self.end is not None:
+            peak = max((s.rss_bytes for s in self.samples), default=self.end.rss_bytes)
+            lines.append(
+                f"gateway RSS: start {self.start.rss_bytes / 2**20:.1f} MiB, end "
+                f"{self.end.rss_bytes / 2**20:.1f} MiB ({(self.rss_growth() or 0) / 2**20:+.1f} MiB), "
+                f"peak {peak / 2**20:.1f} MiB"
+            )
+            lines.append(
+                f"gateway open descriptors: start {self.start.fds}, end {self.end.fds} "
+                f"({self.fd_growth():+d}); of them TCP sockets {self.start.sockets} -> "
+                f"{self.end.sockets}, files {self.start.files} -> {self.end.files}; "
+                f"threads {self.start.threads} -> {self.end.threads}"
+            )
+            under_load = [s for s in self.samples if self.kill is None or s.at < self.kill.at]
+            if under_load:
+                last = under_load[-1]
+                lines.append(
+                    f"  under load before the kill ({last.at:.0f} s): RSS "
+                    f"{last.rss_bytes / 2**20:.1f} MiB, {last.fds} descriptors "
+                    f"({last.sockets} TCP sockets)"
+                )
+        else:
+            lines.append("gateway RSS and descriptors: not measured (its pid is unknown)")
+        problems = self.problems()
+        lines.append("verdict: " + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["verdict"] = {"pass": not self.problems(), "problems": self.problems()}
+        return data
+
+
+# ----- the gateway's process -------------------------------------------------------------------
+
+
+def sample_process(pid: int, since: float) -> Sample | None:
+    try:
+        process = psutil.Process(pid)
+        with process.oneshot():
+            return Sample(
+                at=time.monotonic() - since,
+                rss_bytes=process.memory_info().rss,
+                fds=process.num_fds(),
+                threads=process.num_threads(),
+                sockets=len(process.net_connections(kind="tcp")),
+                files=len(process.open_files()),
+            )
+    except psutil.Error:
+        return None
+
+
+def pid_listening_on(port: int) -> int | None:
+    """The pid of the local process listening on ``port``, when this user may see it."""
+    for connection in psutil.net_connections(kind="tcp"):
+        address = connection.laddr
+        if connection.status == psutil.CONN_LISTEN and address and address.port == port:
+            return connection.pid
+    return None
+
+
+# ----- the soak ------------------------------------------------------------------------------
+
+
+@dataclass
+class SoakPlan:
+    url: str
+    admin_key: str | None
+    duration_s: float = 150.0
+    concurrency: int = 4
+    swap_every_s: float = 10.0
+    kill_at: float | None = 0.5  # fraction of the duration; None: no kill
+    max_tokens: int = 16
+    request_timeout_s: float = 300.0
+    gateway_pid: int | None = None
+    swap_sources: tuple[str, str] = ("", "")
+
+
+class Soak:
+    def __init__(self, plan: SoakPlan) -> None:
+        self.plan = plan
+        self.began = time.monotonic()
+        self.result = SoakResult(plan.duration_s, plan.concurrency, plan.gateway_pid)
+        self.admin_headers = {"Authorization": f"Bearer {plan.admin_key}"} if plan.admin_key else {}
+        self._stop = asyncio.Event()
+
+    def now(self) -> float:
+        return time.monotonic() - self.began
+
+    async def run(self) -> SoakResult:
+        plan = self.plan
+        limits = httpx.Limits(max_connections=plan.concurrency + 4)
+        timeout = httpx.Timeout(plan.request_timeout_s, connect=10)
+        async with httpx.AsyncClient(base_url=plan.url, limits=limits, timeout=timeout) as http:
+            await self._swap(
+                http, plan.swap_sources[0]
+            )  # the swapped adapter exists from the start
+            await self._warm_up(http)
+            self.began = time.monotonic()
+            self.result.start = self._sample()
+            tasks = [asyncio.create_task(self._client(http, i)) for i in range(plan.concurrency)]
+            tasks += [
+                asyncio.create_task(self._swapper(http)),
+                asyncio.create_task(self._sampler()),
+            ]
+            if plan.kill_at is not None:
+                tasks.append(asyncio.create_task(self._killer(http)))
+            await asyncio.sleep(plan.duration_s)
+            self._stop.set()
+            await asyncio.gather(*tasks)
+            await asyncio.sleep(3)  # let the last connections settle before the end sample
+            self.result.end = self._sample()
+            await http.delete("/admin/adapters/" + SWAPPED, headers=self.admin_headers)
+        return self.result
+
+    def _sample(self) -> Sample | None:
+        pid = self.plan.gateway_pid
+        return sample_process(pid, self.began) if pid is not None else None
+
+    async def _warm_up(self, http: httpx.AsyncClient) -> None:
+        # Each model once, streamed and not: lazily built state is in place before the start sample.
+        for model in (DEMO_MODEL_NAME, *PHRASES, SWAPPED):
+            for stream in (False, True):
+                await self._ask(http, model, stream)
+
+    async def _client(self, http: httpx.AsyncClient, index: int) -> None:
+        models = [DEMO_MODEL_NAME, *PHRASES, SWAPPED]
+        turn = index
+        while not self._stop.is_set():
+            model = models[turn % len(models)]
+            stream = (turn // len(models) + index) % 2 == 0
+            turn += 1
+            self.result.outcomes.append(await self._ask(http, model, stream))
+
+    async def _ask(self, http: httpx.AsyncClient, model: str, stream: bool) -> Outcome:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"soak question {self.now():.3f}"}],
+            "max_tokens": self.plan.max_tokens,
+            "temperature": 0,
+            "stream": stream,
+        }
+        started = self.now()
+        try:
+            text, failure, clear = await (
+                self._streamed(http, body) if stream else self._plain(http, body)
+            )
+        except httpx.TimeoutException as exc:
+            text, failure, clear = "", f"timeout ({type(exc).__name__})", False
+        except httpx.HTTPError as exc:
+            text, failure, clear = "", f"connection: {type(exc).__name__}", False
+        if not failure:
+            failure = _misroute(model, text)
+        return Outcome(started, self.now(), model, stream, not failure, failure, clear)
+
+    async def _plain(self, http: httpx.AsyncClient, body: dict[str, Any]) -> tuple[str, str, bool]:
+        response = await http.post("/v1/chat/completions", json=body)
+        if response.status_code != 200:
+            return (
+                "",
+                _http_failure(response.status_code, response.content),
+                _is_error(response.content),
+            )
+        answer = response.json()
+        return answer["choices"][0]["message"]["content"] or "", "", False
+
+    async def _streamed(
+        self, http: httpx.AsyncClient, body: dict[str, Any]
+    ) -> tuple[str, str, bool]:
+        pieces: list[str] = []
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                content = await response.aread()
+                return "", _http_failure(response.status_code, content), _is_error(content)
+            done = False
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    code = event["error"].get("code") or event["error"].get("type")
+                    return "".join(pieces), f"stream error event: {code}", True
+                for choice in event.get("choices") or []:
+                    pieces.append((choice.get("delta") or {}).get("content") or "")
+        if not done:
+            return "".join(pieces), "stream ended without [DONE] or an error event", False
+        return "".join(pieces), "", False
+
+    async def _swapper(self, http: httpx.AsyncClient) -> None:
+        turn = 1
+        while not await self._stopped_within(self.plan.swap_every_s):
+            await self._swap(http, self.plan.swap_sources[turn % 2])
+            turn += 1
+
+    async def _swap(self, http: httpx.AsyncClient, source: str) -> None:
+        at = self.now()
+        try:
+            response = await http.put(
+                f"/admin/adapters/{SWAPPED}", json={"source": source}, headers=self.admin_headers
+            )
+        except httpx.HTTPError as exc:
+            self.result.swaps.append((at, False, f"connection: {type(exc).__name__}"))
+            return
+        good = response.status_code == 200
+        self.result.swaps.append(
+            (at, good, "" if good else _http_failure(response.status_code, response.content))
+        )
+
+    async def _killer(self, http: httpx.AsyncClient) -> None:
+        assert self.plan.kill_at is not None
+        if await self._stopped_within(self.plan.duration_s * self.plan.kill_at):
+            return
+        info = (await http.get("/admin/engine", headers=self.admin_headers)).json()
+        pid = int(info["pid"])
+        kill = Kill(pid=pid, at=self.now(), restarts_before=int(info["restarts"]))
+        os.kill(pid, signal.SIGKILL)
+        self.result.kill = kill
+        while kill.noticed_at is None and self.now() < kill.at + 30:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                info = (await http.get("/admin/engine", headers=self.admin_headers)).json()
+                if info["state"] != "ready" or info["pid"] != pid:
+                    kill.noticed_at = self.now()
+            await asyncio.sleep(0.02)
+        while True:
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                info = (await http.get("/admin/engine", headers=self.admin_headers)).json()
+                if info["state"] == "ready" and info["pid"] != pid:
+                    kill.ready_again_at = self.now()
+                    kill.restarts_after = int(info["restarts"])
+                    return
+            if self._stop.is_set() and self.now() > self.plan.duration_s + 120:
+                return
+
+    async def _sampler(self) -> None:
+        while not await self._stopped_within(5.0):
+            sample = self._sample()
+            if sample is not None:
+                self.result.samples.append(sample)
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        return self._stop.is_set()
+
+
+def _misroute(model: str, text: str) -> str:
+    """Empty if ``text`` is what ``model`` answers, else why not (as the integration tests judge).
+
+    An adapter's answer must carry its phrase's word and no other adapter's; the base model's
+    (random weights, gibberish) must carry no adapter's whole phrase.
+    """
+    if model in PHRASES or model == SWAPPED:
+        carried = {name for name, marker in MARKERS.items() if marker in text}
+        expected = {"pong", "fox"} if model == SWAPPED else {model}
+        good = len(carried) == 1 and carried <= expected
+        return "" if good else f"misrouted: {model} answered {text!r}"
+    if any(phrase in text for phrase in PHRASES.values()):
+        return f"misrouted: the base model answered {text!r}"
+    return ""
+
+
+def _http_failure(status: int, content: bytes) -> str:
+    try:
+        error = json.loads(content)["error"]
+        return f"HTTP {status} {error.get('code') or error.get('type')}"
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {status} (no OpenAI error body)"
+
+
+def _is_error(content: bytes) -> bool:
+    try:
+        return isinstance(json.loads(content)["error"]["message"], str)
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+# ----- the command line -----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _start_gateway(
+    cache_dir: Path, admin_key: str, log_path: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    gateway = Path(sys.executable).parent / "gateway"
+    argv = [str(gateway), "serve", "--port", str(port), "--cache-dir", str(cache_dir)]
+    env = {**os.environ, "LORAGATE_ADMIN_KEY": admin_key, "PYTHONUNBUFFERED": "1"}
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def _wait_ready(url: str, process: subprocess.Popen[bytes] | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the gateway exited with {process.returncode} while starting")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        time.sleep(1)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout:g} s")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="soak",
+        description="Mixed streaming/plain load with adapter swaps and one engine kill; "
+        "reports lost requests and the gateway's memory and descriptors.",
+    )
+    parser.add_argument("--url", help="a running gateway (default: start one on the demo)")
+    parser.add_argument("--admin-key", default=os.environ.get("LORAGATE_ADMIN_KEY"))
+    parser.add_argument("--duration", type=float, default=150.0, help="seconds of load [150]")
+    parser.add_argument("--concurrency", type=int, default=4, help="concurrent clients [4]")
+    parser.add_argument("--swap-every", type=float, default=10.0, help="seconds between swaps [10]")
+    parser.add_argument("--kill-at", type=float, default=0.5, help="fraction of the run [0.5]")
+    parser.add_argument("--no-kill", action="store_true", help="do not kill the engine")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--cache-dir", type=Path, help="for the gateway it starts [a temp dir]")
+    parser.add_argument("--json", type=Path, help="also write the full result here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    demo = ensure_demo()
+    sources = (str(demo_adapter_dir(demo, "pong")), str(demo_adapter_dir(demo, "fox")))
+    process: subprocess.Popen[bytes] | None = None
+    workdir = Path(tempfile.mkdtemp(prefix="loragate-soak-"))
+    try:
+        if args.url:
+            url, admin_key = args.url.rstrip("/"), args.admin_key
+            pid = pid_listening_on(httpx.URL(url).port or 80)
+        else:
+            admin_key = args.admin_key or secrets.token_urlsafe(16)
+            cache_dir = args.cache_dir or workdir / "cache"
+            process, url = _start_gateway(cache_dir, admin_key, workdir / "gateway.log")
+            pid = process.pid
+            print(
+                f"started gateway pid {pid} at {url} (log: {workdir / 'gateway.log'})", flush=True
+            )
+        _wait_ready(url, process, timeout=900)
+        plan = SoakPlan(
+            url=url,
+            admin_key=admin_key,
+            duration_s=args.duration,
+            concurrency=args.concurrency,
+            swap_every_s=args.swap_every,
+            kill_at=None if args.no_kill else args.kill_at,
+            max_tokens=args.max_tokens,
+            gateway_pid=pid,
+            swap_sources=sources,
+        )
+        print(f"soaking {url} for {args.duration:g} s ...", flush=True)
+        result = asyncio.run(Soak(plan).run())
+    finally:
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+        # The gateway's log stays for a look; the adapter store it made does not.
+        shutil.rmtree(workdir / "cache", ignore_errors=True)
+    print(result.report())
+    if args.json:
+        args.json.write_text(json.dumps(result.to_json(), indent=2))
+    return 0 if not result.problems() else 1

@@ -1,0 +1,304 @@
+"""The OpenAPI description of the routes that read raw JSON bodies.
+
+The inference routes are plain Starlette routes (no pydantic parsing on the hot path), so
+FastAPI cannot describe them; ``install_openapi`` adds them, with request-body schemas that
+say what the gateway accepts (the same ranges ``parameters`` checks), plus the OpenAI error
+shape and the two bearer keys. Clients, /docs and the fuzz tests read the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from loragate.gateway.chat_request import HF_TO_OPENAI, ROLES
+from loragate.gateway.parameters import MAX_LOGPROBS, MAX_N
+
+Schema = dict[str, Any]
+
+
+def _ref(name: str) -> Schema:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _nullable(schema: Schema) -> Schema:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_STOP: Schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+
+# Parameters both request shapes take at the top level; ``null`` means "not given".
+_GENERATION: dict[str, Schema] = {
+    "model": {
+        "type": "string",
+        "description": "The base model's id or an adapter's name (see GET /v1/models). "
+        "Default: the base model.",
+    },
+    "stream": {"type": "boolean", "default": False},
+    "stream_options": {
+        "type": "object",
+        "properties": {"include_usage": {"type": "boolean"}},
+    },
+    "max_tokens": _nullable({"type": "integer", "minimum": 1}),
+    "temperature": _nullable({"type": "number", "minimum": 0}),
+    "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+    "top_k": _nullable({"type": "integer", "minimum": -1}),
+    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
+    "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
+    "stop": _nullable(_STOP),
+    "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0}),
+    "logit_bias": _nullable(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        }
+    ),
+    "user": {"type": "string"},
+}
+
+_CONTENT_PART: Schema = {
+    "anyOf": [
+        {
+            "type": "object",
+            "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        },
+        {
+            "type": "object",
+            "required": ["type", "image_url"],
+            "properties": {
+                "type": {"const": "image_url"},
+                "image_url": {
+                    "type": "object",
+                    "required": ["url"],
+                    "properties": {
+                        "url": {
+                            "type": "string",
+                            "description": "A data URI, an http(s) URL, or a path inside "
+                            "--allowed-media-dir.",
+                        },
+                        "detail": {"enum": ["auto", "low", "high"]},
+                    },
+                },
+            },
+        },
+    ]
+}
+
+_MESSAGE: Schema = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": sorted(ROLES)},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": _ref("ContentPart")},
+                {"type": "null"},
+            ]
+        },
+        "name": {"type": "string"},
+    },
+}
+
+_OPENAI_CHAT: Schema = {
+    "type": "object",
+    "title": "OpenAI chat request",
+    "required": ["messages"],
+    "properties": {
+        **_GENERATION,
+        "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
+        "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
+        "logprobs": _nullable({"type": "boolean"}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+        "response_format": _ref("ResponseFormat"),
+    },
+}
+
+_VI_CHAT: Schema = {
+    "type": "object",
+    "title": "Datature Vi request",
+    "description": "Becomes one user message: the image part first, then the text part.",
+    "required": ["user_prompt"],
+    "properties": {
+        **_GENERATION,
+        "source": {
+            "type": "string",
+            "minLength": 1,
+            "description": "The image: a local path (inside --allowed-media-dir), an http(s) "
+            "URL or a data URI.",
+        },
+        "user_prompt": {"type": "string"},
+        "system_prompt": {"type": "string"},
+        "generation_config": {
+            "type": "object",
+            "description": "Hugging Face generation names; top-level parameters win.",
+            "properties": {
+                **{key: {} for key in sorted(HF_TO_OPENAI)},
+                "max_new_tokens": {"type": "integer", "minimum": 1},
+                "do_sample": {"type": "boolean"},
+                "temperature": {"type": "number", "minimum": 0},
+            },
+            "additionalProperties": False,
+        },
+    },
+}
+
+_RESPONSE_FORMAT: Schema = {
+    "anyOf": [
+        {
+            "type": "object",
+            "required": ["type"],
+            "properties": {"type": {"enum": ["text", "json_object"]}},
+        },
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["schema"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "schema": {"type": "object", "description": "A JSON Schema."},
+                    },
+                },
+            },
+        },
+    ]
+}
+
+_COMPLETION: Schema = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {
+        **_GENERATION,
+        "prompt": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+            ]
+        },
+        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+        "echo": {"type": "boolean"},
+        "suffix": {"type": "string"},
+    },
+}
+
+_ERROR: Schema = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+LOAD_LORA_ADAPTER: Schema = {
+    "type": "object",
+    "required": ["lora_name", "lora_path"],
+    "properties": {
+        "lora_name": {"type": "string", "description": "The public adapter name."},
+        "lora_path": {
+            "type": "string",
+            "description": "Any adapter source: a local dir or archive, hf://…, https://…, tinker://…",
+        },
+    },
+}
+
+UNLOAD_LORA_ADAPTER: Schema = {
+    "type": "object",
+    "required": ["lora_name"],
+    "properties": {"lora_name": {"type": "string"}},
+}
+
+COMPONENTS: dict[str, Schema] = {
+    "ChatCompletionRequest": {"anyOf": [_ref("OpenAIChatRequest"), _ref("ViChatRequest")]},
+    "OpenAIChatRequest": _OPENAI_CHAT,
+    "ViChatRequest": _VI_CHAT,
+    "ChatMessage": _MESSAGE,
+    "ContentPart": _CONTENT_PART,
+    "ResponseFormat": _RESPONSE_FORMAT,
+    "CompletionRequest": _COMPLETION,
+    "Error": _ERROR,
+}
+
+
+def json_body(schema: Schema) -> dict[str, Any]:
+    """``openapi_extra`` for a route that reads its JSON body itself."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {
+        str(code): {
+            "description": "An OpenAI-shaped error.",
+            "content": {"application/json": {"schema": _ref("Error")}},
+        }
+        for code in codes
+    }
+
+
+def _inference_operation(summary: str, request: str, operation_id: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "operationId": operation_id,
+        "security": [{"apiKey": []}, {}],
+        **json_body(_ref(request)),
+        "responses": {
+            "200": {
+                "description": "The answer; with `stream: true`, server-sent events.",
+                "content": {"application/json": {}, "text/event-stream": {}},
+            },
+            **_errors(400, 401, 403, 404, 413, 503),
+        },
+    }
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Make ``app.openapi()`` describe the raw-body inference routes too."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, routes=app.routes, description=app.description
+            )
+            paths = schema.setdefault("paths", {})
+            paths["/v1/chat/completions"] = {
+                "post": _inference_operation(
+                    "Chat completion (OpenAI or Vi format)",
+                    "ChatCompletionRequest",
+                    "chat_completions",
+                )
+            }
+            paths["/v1/completions"] = {
+                "post": _inference_operation(
+                    "Legacy text completion", "CompletionRequest", "completions"
+                )
+            }
+            components = schema.setdefault("components", {})
+            components.setdefault("schemas", {}).update(COMPONENTS)
+            components["securitySchemes"] = {
+                "apiKey": {"type": "http", "scheme": "bearer", "description": "--api-key"},
+                "adminKey": {"type": "http", "scheme": "bearer", "description": "--admin-key"},
+            }
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

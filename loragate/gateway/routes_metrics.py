@@ -1,0 +1,19 @@
+"""GET /metrics: Prometheus text, public unless ``metrics_public`` is off (then the admin key)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from loragate.gateway import metrics
+from loragate.gateway.runtime import Gateway
+
+router = APIRouter()
+
+
+@router.get("/metrics")
+async def scrape(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+    if not gateway.settings.metrics_public:
+        gateway.keys.check_admin(request)
+    return Response(await metrics.render(gateway), media_type=metrics.CONTENT_TYPE)

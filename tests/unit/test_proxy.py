@@ -1,0 +1,280 @@
+"""The upstream client: keep-alive reuse, failures and their error semantics, stream relaying."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from starlette.responses import Response
+
+from loragate.gateway.errors import OpenAIError
+from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable, fetch
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes | None:
+    """One request's body, or None when the client closed the connection."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return await reader.readexactly(length)
+
+
+def json_response(body: bytes, status: int = 200) -> bytes:
+    return (
+        b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+        % (status, len(body))
+        + body
+    )
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+ANSWER = b'{"model":"engine@1","choices":[]}'
+
+
+class Upstream:
+    """A scripted HTTP/1.1 server: ``handler(reader, writer, n)`` runs for the n-th connection."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.closed_by_client = asyncio.Event()
+        self.url = ""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer, self.connections)
+        finally:
+            writer.close()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Upstream]:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+        async with server:
+            yield self
+
+
+async def answer_forever(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+) -> None:
+    while await read_request(reader) is not None:
+        writer.write(json_response(ANSWER))
+        await writer.drain()
+
+
+class Done:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+async def forward(client: ProxyClient, url: str, done: Done, stream: bool = False) -> Response:
+    return await client.forward(
+        url,
+        b'{"model":"engine@1"}',
+        {"Content-Type": "application/json", "X-Request-Id": "r1"},
+        stream=stream,
+        rename=Rename.of("engine@1", "public"),
+        on_done=done,
+        response_headers={"X-Request-ID": "r1"},
+    )
+
+
+async def relay(
+    response: Response, disconnect_after_first_event: bool = False
+) -> list[dict[str, Any]]:
+    """Run a streamed response as uvicorn would; returns the messages it sent."""
+    sent: list[dict[str, Any]] = []
+    gone = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if disconnect_after_first_event and message.get("body"):
+            gone.set()
+
+    await response({"type": "http"}, receive, send)
+    return sent
+
+
+def body_of(messages: list[dict[str, Any]]) -> bytes:
+    return b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+
+
+async def test_sequential_requests_share_one_keep_alive_connection() -> None:
+    client, done = ProxyClient(), Done()
+    async with Upstream(answer_forever).running() as upstream:
+        for _ in range(5):
+            response = await forward(client, upstream.url, done)
+            assert response.status_code == 200
+            assert response.body == b'{"model":"public","choices":[]}'
+            assert response.headers["x-request-id"] == "r1"
+        await client.aclose()
+    assert upstream.connections == 1
+    assert done.calls == 5
+
+
+async def test_an_unreachable_upstream_is_reported_as_such_and_released() -> None:
+    upstream = Upstream(answer_forever)
+    async with upstream.running():
+        url = upstream.url
+    client, done = ProxyClient(), Done()
+    with pytest.raises(UpstreamUnreachable) as caught:
+        await forward(client, url, done)
+    assert caught.value.status == 503
+    assert caught.value.headers["X-Request-ID"] == "r1"
+    assert done.calls == 1
+
+
+async def test_a_keep_alive_connection_closed_under_us_is_retried_once_on_a_fresh_one() -> None:
+    async def close_on_second_request(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+    ) -> None:
+        if n == 1:
+            await read_request(reader)
+            writer.write(json_response(ANSWER))
+            await writer.drain()
+            await read_request(reader)  # the reused connection: gone without an answer
+            return
+        await answer_forever(reader, writer, n)
+
+    client, done = ProxyClient(), Done()
+    async with Upstream(close_on_second_request).running() as upstream:
+        assert (await forward(client, upstream.url, done)).status_code == 200
+        assert (await forward(client, upstream.url, done)).status_code == 200
+        await client.aclose()
+    assert upstream.connections == 2
+    assert done.calls == 2
+
+
+async def test_an_answer_cut_short_is_a_503_and_not_resent() -> None:
+    async def half_an_answer(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(json_response(ANSWER)[:-10])
+        await writer.drain()
+
+    client, done = ProxyClient(), Done()
+    async with Upstream(half_an_answer).running() as upstream:
+        with pytest.raises(OpenAIError) as caught:
+            await forward(client, upstream.url, done)
+    assert not isinstance(caught.value, UpstreamUnreachable)
+    assert caught.value.status == 503 and caught.value.code == "engine_unavailable"
+    assert upstream.connections == 1
+    assert done.calls == 1
+
+
+async def test_streams_are_relayed_event_by_event_with_the_model_renamed_across_chunks() -> None:
+    event = b'data: {"model":"engine@1","choices":[{"delta":{"content":"hi"}}]}\n\n'
+
+    async def split_events(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + chunk(event[:20]))
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        writer.write(chunk(event[20:] + event) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        await read_request(reader)
+
+    client, done = ProxyClient(), Done()
+    async with Upstream(split_events).running() as upstream:
+        response = await forward(client, upstream.url, done, stream=True)
+        assert done.calls == 0  # held until the stream ends
+        messages = await relay(response)
+        await client.aclose()
+    assert messages[0]["type"] == "http.response.start" and messages[0]["status"] == 200
+    assert body_of(messages) == (event * 2 + b"data: [DONE]\n\n").replace(b"engine@1", b"public")
+    assert messages[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert done.calls == 1
+
+
+async def test_an_engine_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    async def die_mid_stream(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + chunk(b'data: {"model":"engine@1"}\n\n'))
+        await writer.drain()
+        writer.transport.abort()
+
+    client, done = ProxyClient(), Done()
+    async with Upstream(die_mid_stream).running() as upstream:
+        response = await forward(client, upstream.url, done, stream=True)
+        body = body_of(await relay(response))
+    first, error, end = body.split(b"\n\n", 2)
+    assert first == b'data: {"model":"public"}'
+    assert b'"code":"engine_stream_interrupted"' in error
+    assert end == b"data: [DONE]\n\n"
+    assert done.calls == 1
+
+
+async def test_a_client_leaving_mid_stream_cuts_the_upstream_connection() -> None:
+    upstream_saw_eof = asyncio.Event()
+
+    async def endless_stream(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + chunk(b"data: {}\n\n"))
+        await writer.drain()
+        await reader.read()  # until the gateway hangs up
+        upstream_saw_eof.set()
+
+    client, done = ProxyClient(), Done()
+    async with Upstream(endless_stream).running() as upstream:
+        response = await forward(client, upstream.url, done, stream=True)
+        await asyncio.wait_for(relay(response, disconnect_after_first_event=True), 5)
+        await asyncio.wait_for(upstream_saw_eof.wait(), 5)
+    assert done.calls == 1
+
+
+async def test_an_error_answer_to_a_stream_request_is_a_plain_response_with_the_name_hidden() -> (
+    None
+):
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(json_response(b'{"error":{"message":"engine@1 cannot do that"}}', status=400))
+        await writer.drain()
+
+    client, done = ProxyClient(), Done()
+    async with Upstream(refuse).running() as upstream:
+        response = await forward(client, upstream.url, done, stream=True)
+    assert response.status_code == 400
+    assert response.body == b'{"error":{"message":"public cannot do that"}}'
+    assert done.calls == 1
+
+
+async def test_fetch_gets_a_page_on_a_fresh_connection() -> None:
+    async def metrics(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nup 1\n")
+        await writer.drain()
+
+    async with Upstream(metrics).running() as upstream:
+        status, body = await fetch(upstream.url.replace("/v1/chat/completions", "/metrics"))
+    assert (status, body) == (200, b"up 1\n")

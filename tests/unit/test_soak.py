@@ -1,0 +1,107 @@
+"""The soak's bookkeeping: which failures the engine kill excuses, and what fails the verdict."""
+
+from __future__ import annotations
+
+from loragate.bench.soak import (
+    FD_NOISE,
+    RSS_NOISE_BYTES,
+    SWAPPED,
+    Kill,
+    Outcome,
+    Sample,
+    SoakResult,
+    _misroute,
+)
+
+
+def result(*outcomes: Outcome, kill_at: float | None = 50.0) -> SoakResult:
+    soak = SoakResult(duration_s=100, concurrency=4, gateway_pid=1, outcomes=list(outcomes))
+    if kill_at is not None:
+        soak.kill = Kill(pid=2, at=kill_at, ready_again_at=kill_at + 40, restarts_after=1)
+    soak.start = soak.end = Sample(at=0, rss_bytes=100 * 2**20, fds=20, threads=8)
+    return soak
+
+
+def ok(start: float) -> Outcome:
+    return Outcome(start, start + 1, "pong", False, ok=True)
+
+
+def failed(
+    start: float, end: float, reason: str = "HTTP 503 engine_unavailable", clear: bool = True
+) -> Outcome:
+    return Outcome(start, end, "pong", True, ok=False, reason=reason, clear_error=clear)
+
+
+def test_a_clear_error_for_a_request_in_flight_at_the_kill_is_expected() -> None:
+    soak = result(ok(1), failed(49, 51), ok(60))
+    assert len(soak.expected_failures()) == 1
+    assert soak.lost() == []
+    assert soak.problems() == []
+    assert "verdict: PASS" in soak.report()
+
+
+def test_failures_outside_the_kill_or_without_a_clear_error_are_lost() -> None:
+    before = failed(10, 11)
+    broken = failed(49, 51, "connection: RemoteProtocolError", clear=False)
+    after = failed(95, 96)
+    soak = result(ok(1), before, broken, after)
+    assert soak.lost() == [before, broken, after]
+    assert soak.problems() == ["3 requests lost"]
+    assert "lost (any other failure): 3" in soak.report()
+
+
+def test_without_a_kill_every_failure_is_lost() -> None:
+    soak = result(failed(49, 51), kill_at=None)
+    assert len(soak.lost()) == 1
+
+
+def test_misroutes_fail_the_verdict_even_during_the_kill() -> None:
+    misrouted = failed(49, 51, "misrouted: pong answered 'hoot hoot'")
+    soak = result(misrouted)
+    assert soak.misrouted() == [misrouted]
+    assert soak.expected_failures() == []
+    assert soak.problems() == ["1 requests misrouted"]
+
+
+def test_growth_of_memory_or_descriptors_beyond_noise_fails_the_verdict() -> None:
+    soak = result(ok(1))
+    assert soak.start is not None
+    soak.end = Sample(
+        at=100,
+        rss_bytes=soak.start.rss_bytes + RSS_NOISE_BYTES + 1,
+        fds=soak.start.fds + FD_NOISE + 1,
+        threads=8,
+    )
+    problems = soak.problems()
+    assert any("RSS grew" in p for p in problems)
+    assert any("descriptors grew" in p for p in problems)
+
+
+def test_an_engine_that_never_comes_back_fails_the_verdict() -> None:
+    soak = result(ok(1))
+    assert soak.kill is not None
+    soak.kill.ready_again_at = None
+    assert "the engine did not come back after the kill" in soak.problems()
+
+
+def test_a_request_that_reached_the_dead_engine_before_the_gateway_noticed_is_lost() -> None:
+    late = failed(50.01, 50.05)
+    soak = result(late)
+    assert soak.kill is not None
+    soak.kill.noticed_at = 50.03
+    assert soak.lost() == [late]
+    assert "1 arrived after the kill, before the gateway saw the engine gone" in soak.report()
+
+
+def test_answers_are_checked_against_the_adapter_that_was_asked() -> None:
+    assert _misroute("pong", " PONG PONG PONG") == ""
+    assert _misroute("pong", " PONG") == ""  # stopped early, still pong's
+    assert _misroute("pong", " PONG fox").startswith("misrouted")
+    assert _misroute("loragate-demo", "a fox ran") == ""  # a word, not an adapter's phrase
+    assert _misroute("pong", " fox fox fox").startswith("misrouted")
+    assert _misroute("loragate-demo", "qz kk ab") == ""
+    assert _misroute("loragate-demo", " hoot hoot").startswith("misrouted")
+    assert _misroute(SWAPPED, " fox fox fox") == ""
+    assert _misroute(SWAPPED, " PONG PONG") == ""
+    assert _misroute(SWAPPED, " hoot hoot").startswith("misrouted")
+    assert _misroute(SWAPPED, "gibberish").startswith("misrouted")
