@@ -396,9 +396,19 @@ class ProxyClient:
                 # A kept-alive connection the upstream closed just as we reused it: nothing
                 # was answered, so send once more on a fresh connection. If that one cannot
                 # even connect, the first attempt may still have reached the engine, so this
-                # is not reported as "unreachable" (which the backend would resend).
+                # is not reported as "unreachable" (which the backend would resend)...
                 try:
                     conn = await self._pool.connect(target.origin)
+                except ConnectionRefusedError as exc:
+                    # ...unless nothing listens any more: the engine died, taking whatever the
+                    # first attempt started with it (generation has no side effects), so the
+                    # backend may wait for the restart and send it again.
+                    raise UpstreamUnreachable(
+                        503,
+                        "the engine is not reachable; retry shortly",
+                        code="engine_unavailable",
+                        headers={"Retry-After": "5"},
+                    ) from exc
                 except OSError as exc:
                     raise UpstreamBroken(f"the upstream went away: {exc}") from exc
                 conn.send(request)
