@@ -197,9 +197,13 @@ class Samples:
 
 
 async def interleaved(
-    targets: list[Target], workload: Workload, concurrency: int, rounds: int
+    targets: list[Target], workload: Workload, concurrency: int, rounds: int, gap: float = 0.0
 ) -> Samples:
-    """``concurrency`` workers each send ``rounds`` x every target, alternating targets."""
+    """``concurrency`` workers each send ``rounds`` x every target, alternating targets.
+
+    ``gap`` seconds of pause after each answer let the engine finish its work for the last
+    request first, so every request meets an idle engine (as a single user's would).
+    """
     requests = {t.name: workload.request(t) for t in targets}
     samples = Samples()
 
@@ -211,6 +215,8 @@ async def interleaved(
                 for target in targets[shift:] + targets[:shift]:
                     sample = await clients[target.name].send(requests[target.name], workload.stream)
                     samples.add(target.name, sample)
+                    if gap:
+                        await asyncio.sleep(gap)
         finally:
             for client in clients.values():
                 client.close()

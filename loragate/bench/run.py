@@ -63,6 +63,7 @@ class Options:
     proxy: bool
     nginx: bool
     floor: bool
+    gap: float
     rounds_c1: int
     rounds: int
     concurrency: list[int]
@@ -103,6 +104,8 @@ def parse(argv: list[str] | None) -> Options:
     )
     add("--rounds", type=int, default=25, help="Rounds per worker at higher concurrency.")
     add("--concurrency", default="1,16,32", help="Latency concurrency levels.")
+    add("--gap-ms", type=float, default=5.0, help="Real engine, concurrency 1: pause after each "
+        "answer, so each request meets an idle engine (0: back to back).")  # fmt: skip
     add("--ttft-rounds", type=int, default=150)
     add("--ttft-max-tokens", type=int, default=8)
     add("--throughput-concurrency", default="16,32")
@@ -121,6 +124,7 @@ def parse(argv: list[str] | None) -> Options:
         proxy=not args.no_proxy,
         nginx=not args.no_nginx and nginx_available(),
         floor=not args.no_floor,
+        gap=args.gap_ms / 1000,
         rounds_c1=args.rounds_c1,
         rounds=args.rounds,
         concurrency=[int(c) for c in args.concurrency.split(",")],
@@ -406,12 +410,16 @@ async def measure_engine(
     overhead = OverheadMeter(gateway.url)
 
     report.say("")
-    report.say("Latency, non-streaming chat, max_tokens=1, interleaved (ms; + = added to direct)")
+    report.say(
+        "Latency, non-streaming chat, max_tokens=1, interleaved (ms; + = added to direct; "
+        f"{options.gap * 1000:g} ms pause between requests at concurrency 1)"
+    )
     report.say(HEADER)
     for concurrency in options.concurrency:
         rounds = options.rounds_c1 if concurrency == 1 else options.rounds
+        gap = options.gap if concurrency == 1 else 0.0
         overhead.start()
-        samples = await load.interleaved(targets, short, concurrency, rounds)
+        samples = await load.interleaved(targets, short, concurrency, rounds, gap)
         summaries = latency_table(report, samples, concurrency)
         own = overhead.mean()
         report.say(
@@ -440,11 +448,11 @@ async def measure_engine(
     report.say("")
     report.say(
         f"Time to first token, streaming chat, max_tokens={options.ttft_max_tokens}, "
-        "concurrency 1 (ms)"
+        f"concurrency 1, {options.gap * 1000:g} ms pause between requests (ms)"
     )
     report.say(HEADER)
     streamed = Workload(max_tokens=options.ttft_max_tokens, stream=True)
-    samples = await load.interleaved(targets, streamed, 1, options.ttft_rounds)
+    samples = await load.interleaved(targets, streamed, 1, options.ttft_rounds, options.gap)
     ttft = latency_table(report, samples, 1, pick="ttft")
     ttft_added = ttft[GATEWAY].p50 - ttft[DIRECT].p50
     report.goal(

@@ -24,6 +24,7 @@ from starlette.responses import Response
 from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.manifest import Manifest
 from loragate.adapters.pipeline import AdapterPipeline
+from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.store import AdapterStore
 from loragate.demo.layout import DEMO_ADAPTERS, demo_adapter_dir, demo_base_dir, ensure_demo
 from loragate.gateway.errors import OpenAIError
@@ -74,6 +75,7 @@ class SupervisedEngineBackend:
         self.engine = EngineClient(self.supervisor)
         self.proxy = ProxyClient()
         self.manager: AdapterManager | None = None
+        self.slots: AdapterSlots | None = None
         self.model_dir: Path | None = None
         self.zero_adapter = False
         self._lock = GatewayLock(self.cache_dir)
@@ -163,6 +165,8 @@ class SupervisedEngineBackend:
         self.zero_adapter = settings.base_routing == "zero-adapter" or (
             settings.base_routing == "auto" and is_cpu_build(settings.engine_python)
         )
+        # The same CPU-build guard: never more distinct adapters in flight than engine slots.
+        self.slots = AdapterSlots(settings.max_loras + 1) if self.zero_adapter else None
         adapters_root = self.cache_dir / "adapters"
         store = AdapterStore(adapters_root, max_bytes=settings.store_max_bytes)
         model_key = hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]
@@ -288,6 +292,20 @@ class SupervisedEngineBackend:
             engine_id = manager.acquire(public_model)
             if engine_id is None:
                 raise model_not_found(public_model, self.model_ids())
+            if self.slots is not None:
+                try:
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        await self.slots.acquire(engine_id)
+                except BaseException as exc:
+                    manager.release(engine_id)
+                    if isinstance(exc, TimeoutError):
+                        raise OpenAIError(
+                            503,
+                            "too many adapters are busy in the engine; retry shortly",
+                            code="adapter_slots_busy",
+                            headers={"Retry-After": "5"},
+                        ) from None
+                    raise
             payload["model"] = engine_id
             headers = {
                 "Authorization": f"Bearer {endpoint.api_key}",
@@ -301,7 +319,7 @@ class SupervisedEngineBackend:
                     headers,
                     stream=stream,
                     rename=Rename.of(engine_id, public_model),
-                    on_done=functools.partial(manager.release, engine_id),
+                    on_done=functools.partial(self._request_done, manager, engine_id),
                     response_headers={"X-Request-ID": request_id},
                 )
             except UpstreamUnreachable:
@@ -309,6 +327,11 @@ class SupervisedEngineBackend:
                 if time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(0.2)
+
+    def _request_done(self, manager: AdapterManager, engine_id: str) -> None:
+        manager.release(engine_id)
+        if self.slots is not None:
+            self.slots.release(engine_id)
 
     # ----- admin ------------------------------------------------------------------------------
 

@@ -65,7 +65,7 @@ def test_concurrent_base_and_adapter_requests_never_cross_contaminate(
 ) -> None:
     models = [BASE, "pong", "fox", "owl"]
     jobs = [(model, f"question number {i}", i % 2 == 0) for i in range(6) for model in models]
-    for _ in range(3):  # several rounds, each a burst of 24 concurrent mixed requests
+    for _ in range(5):  # several rounds, each a burst of 24 concurrent mixed requests
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             results = list(pool.map(lambda job: (job[0], ask(gateway.url, *job)), jobs))
         for model, (status, text) in results:
