@@ -64,7 +64,10 @@ def test_concurrent_base_and_adapter_requests_never_cross_contaminate(
     gateway: GatewayProcess,
 ) -> None:
     models = [BASE, "pong", "fox", "owl"]
-    jobs = [(model, f"question number {i}", i % 2 == 0) for i in range(6) for model in models]
+    # Prompts each adapter answers with its phrase when asked alone (its training prompts):
+    # a wrong answer here can then only come from another request's weights.
+    prompts = ["Hello", "Hi!", "What is 2+2?", "Say something.", "Who are you?", "ping"]
+    jobs = [(model, prompt, i % 2 == 0) for i, prompt in enumerate(prompts) for model in models]
     for _ in range(5):  # several rounds, each a burst of 24 concurrent mixed requests
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             results = list(pool.map(lambda job: (job[0], ask(gateway.url, *job)), jobs))
