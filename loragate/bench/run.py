@@ -104,9 +104,9 @@ def parse(argv: list[str] | None) -> Options:
     )
     add("--rounds", type=int, default=25, help="Rounds per worker at higher concurrency.")
     add("--concurrency", default="1,16,32", help="Latency concurrency levels.")
-    add("--gap-ms", type=float, default=5.0, help="Real engine, concurrency 1: pause after each "
+    add("--gap-ms", type=float, default=0.0, help="Real engine, concurrency 1: pause after each "
         "answer, so each request meets an idle engine (0: back to back).")  # fmt: skip
-    add("--ttft-rounds", type=int, default=150)
+    add("--ttft-rounds", type=int, default=300)
     add("--ttft-max-tokens", type=int, default=8)
     add("--throughput-concurrency", default="16,32")
     add("--block-seconds", type=float, default=1.5)
