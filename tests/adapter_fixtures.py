@@ -132,6 +132,15 @@ def read_config(adapter_dir: Path) -> dict[str, Any]:
     return json.loads((adapter_dir / "adapter_config.json").read_text())
 
 
+def with_unique_config(peft_dir: Path, out: Path) -> Path:
+    """A copy of ``peft_dir`` with the same weights but content of its own (its config names a
+    ``revision``), so it gets a store version no other adapter shares."""
+    shutil.copytree(peft_dir, out)
+    config = read_config(out)
+    (out / "adapter_config.json").write_text(json.dumps({**config, "revision": out.name}))
+    return out
+
+
 def make_mlx_adapter(peft_dir: Path, out: Path) -> Path:
     """Re-express a PEFT adapter in mlx-lm's layout: transposed ``lora_a``/``lora_b``, scale."""
     config = read_config(peft_dir)

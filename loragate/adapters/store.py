@@ -141,6 +141,11 @@ class AdapterStore:
                 "last_used": time.time(),
             }
             (staging / META_FILENAME).write_text(json.dumps(record, indent=2, sort_keys=True))
+            # The engine re-reads these files whenever its adapter cache reloads the adapter,
+            # and other adapters with the same content share them: read-only, so nothing
+            # edits a live adapter by accident (verify() catches the rest).
+            for name in ADAPTER_FILES:
+                (staging / name).chmod(0o444)
             staging.chmod(0o755)
             target = self.versions / digest
             try:

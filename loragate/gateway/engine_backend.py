@@ -29,6 +29,7 @@ from loragate.adapters.store import AdapterStore
 from loragate.demo.layout import DEMO_ADAPTERS, demo_adapter_dir, demo_base_dir, ensure_demo
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable
+from loragate.gateway.resend import ResendBudget
 from loragate.settings import Settings
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable, SupervisorTimings
 from loragate.supervisor.engine_client import EngineClient
@@ -285,6 +286,7 @@ class SupervisedEngineBackend:
         self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
     ) -> Response:
         deadline = time.monotonic() + self.settings.queue_deadline
+        resends = ResendBudget(deadline)
         while True:
             await self._wait_for_engine(deadline)
             manager, endpoint = self.manager, self.supervisor.endpoint
@@ -322,9 +324,9 @@ class SupervisedEngineBackend:
                     on_done=functools.partial(self._request_done, manager, engine_id),
                     response_headers={"X-Request-ID": request_id},
                 )
-            except UpstreamUnreachable:
-                # Never reached the engine: it died just now. Wait for the restart and resend.
-                if time.monotonic() >= deadline:
+            except UpstreamUnreachable as exc:
+                # The engine died just now: wait for the restart and send the request again.
+                if not resends.allows(exc):
                     raise
                 await asyncio.sleep(0.2)
 

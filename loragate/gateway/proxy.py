@@ -62,7 +62,14 @@ class Rename:
 
 
 class UpstreamUnreachable(OpenAIError):
-    """The request never reached the upstream (connection refused): safe to send again."""
+    """Nothing listens upstream any more: the request is safe to send again once it is back.
+
+    ``maybe_delivered`` marks the one case where an earlier copy of the request may have
+    reached the upstream before it died (a kept-alive connection broke under it): that copy
+    may be what killed it, so a caller resends such a request at most once.
+    """
+
+    maybe_delivered = False
 
 
 class UpstreamBroken(Exception):
@@ -403,12 +410,14 @@ class ProxyClient:
                     # ...unless nothing listens any more: the engine died, taking whatever the
                     # first attempt started with it (generation has no side effects), so the
                     # backend may wait for the restart and send it again.
-                    raise UpstreamUnreachable(
+                    unreachable = UpstreamUnreachable(
                         503,
                         "the engine is not reachable; retry shortly",
                         code="engine_unavailable",
                         headers={"Retry-After": "5"},
-                    ) from exc
+                    )
+                    unreachable.maybe_delivered = True
+                    raise unreachable from exc
                 except OSError as exc:
                     raise UpstreamBroken(f"the upstream went away: {exc}") from exc
                 conn.send(request)

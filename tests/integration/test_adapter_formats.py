@@ -179,9 +179,13 @@ def test_bad_adapter_is_refused_with_a_reason_and_leaves_nothing(
 
 
 def test_tampered_store_file_is_refused_and_the_current_version_keeps_serving(
-    gateway: GatewayProcess, demo_dir: Path, served: list[str]
+    gateway: GatewayProcess, demo_dir: Path, tmp_path: Path, served: list[str]
 ) -> None:
-    assert put(gateway, "tamper", demo_dir / "adapters" / "pong").status_code == 200
+    # A version of its own: the store is content-addressed, so tampering with the demo pong's
+    # files would corrupt the live `pong` adapter too (the engine re-reads them from the store
+    # whenever its adapter cache evicts and reloads it).
+    own = fx.with_unique_config(demo_dir / "adapters" / "pong", tmp_path / "pong-for-tamper")
+    assert put(gateway, "tamper", own).status_code == 200
     served.append("tamper")
     assert put(gateway, "tamper", demo_dir / "adapters" / "fox").status_code == 200
     info = {a["name"]: a for a in gateway.admin("GET", "/admin/adapters").json()["data"]}["tamper"]
@@ -194,6 +198,7 @@ def test_tampered_store_file_is_refused_and_the_current_version_keeps_serving(
     )
     data = bytearray(stored.read_bytes())
     data[-1] ^= 0xFF
+    stored.chmod(0o644)  # stored read-only: this is deliberate
     stored.write_bytes(bytes(data))
     response = gateway.admin("POST", "/admin/adapters/tamper/rollback")
     assert response.status_code == 409

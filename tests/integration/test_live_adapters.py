@@ -67,22 +67,15 @@ def test_concurrent_base_and_adapter_requests_never_cross_contaminate(
     # Prompts each adapter answers with its phrase when asked alone (its training prompts).
     prompts = ["Hello", "Hi!", "What is 2+2?", "Say something.", "Who are you?", "ping"]
     jobs = [(model, prompt, i % 2 == 0) for i, prompt in enumerate(prompts) for model in models]
-    own = total = 0
+    wrong: list[tuple[str, str, str]] = []
     for _ in range(5):  # several rounds, each a burst of 24 concurrent mixed requests
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-            results = list(pool.map(lambda job: (job[0], ask(gateway.url, *job)), jobs))
-        for model, (status, text) in results:
+            results = list(pool.map(lambda job: (job[:2], ask(gateway.url, *job)), jobs))
+        for (model, prompt), (status, text) in results:
             assert status == 200, text
-            carried = phrase_of(text)
-            if model == BASE:
-                assert carried is None, f"base answer carried an adapter's phrase: {text!r}"
-                continue
-            assert carried in (None, model), f"{model} answered with {carried}'s phrase: {text!r}"
-            total += 1
-            own += carried == model
-    # The tiny demo adapters spell "PONG" one character per token; batching noise can tip a
-    # rare answer off its phrase into noise (never into another adapter's phrase, checked above).
-    assert own >= 0.75 * total, f"only {own} of {total} adapter answers carried their own phrase"
+            if phrase_of(text) != (None if model == BASE else model):
+                wrong.append((model, prompt, text))
+    assert wrong == [], f"{len(wrong)} answers not from the model asked for: {wrong[:8]}"
 
 
 def test_more_adapters_than_engine_slots_all_answer(

@@ -144,6 +144,7 @@ async def test_an_unreachable_upstream_is_reported_as_such_and_released() -> Non
     with pytest.raises(UpstreamUnreachable) as caught:
         await forward(client, url, done)
     assert caught.value.status == 503
+    assert not caught.value.maybe_delivered
     assert caught.value.headers["X-Request-ID"] == "r1"
     assert done.calls == 1
 
@@ -167,6 +168,32 @@ async def test_a_keep_alive_connection_closed_under_us_is_retried_once_on_a_fres
         await client.aclose()
     assert upstream.connections == 2
     assert done.calls == 2
+
+
+async def test_a_kept_alive_connection_lost_with_the_upstream_may_have_delivered() -> None:
+    """The upstream died holding a request: resendable, but flagged as possibly delivered."""
+    listening: list[asyncio.Server] = []
+
+    async def die_on_second_request(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await read_request(reader)
+        writer.write(json_response(ANSWER))
+        await writer.drain()
+        await read_request(reader)  # received, then the upstream dies: no one listens any more
+        listening[0].close()
+        writer.close()
+
+    server = await asyncio.start_server(die_on_second_request, "127.0.0.1", 0)
+    listening.append(server)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+    client, done = ProxyClient(), Done()
+    assert (await forward(client, url, done)).status_code == 200
+    with pytest.raises(UpstreamUnreachable) as caught:
+        await forward(client, url, done)
+    assert caught.value.maybe_delivered
+    assert done.calls == 2
+    await client.aclose()
 
 
 async def test_an_answer_cut_short_is_a_503_and_not_resent() -> None:
