@@ -12,7 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras="convert,fast"
-[ "${1:-}" = "--test" ] && extras="$extras,test"
+# The tests also drive the real Tinker and Vi SDKs (against local fakes, never the network).
+[ "${1:-}" = "--test" ] && extras="$extras,test,tinker,vi"
 
 venv="${LORAGATE_VENV:-.venv}"
 python="${PYTHON:-$(command -v python3.11 || command -v python3)}"
