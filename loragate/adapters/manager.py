@@ -85,6 +85,8 @@ class AdapterManager:
         self._drain_timeout = drain_timeout
         self._ready_timeout = ready_timeout
         self.routes = RoutingTable()
+        self._public: tuple[str, ...] = ()
+        self._public_for: tuple[str, ...] | None = None
         self._loaded: set[str] = set()
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -103,10 +105,12 @@ class AdapterManager:
     # ----- what the gateway asks -----------------------------------------------------------
 
     def public_models(self) -> list[str]:
-        return [
-            self.base_name,
-            *sorted(n for n in self.routes.public_names() if n != self.base_name),
-        ]
+        """The base model, then the adapters by name (asked per request: cached per route set)."""
+        names = self.routes.public_names()
+        if self._public_for is not names:
+            self._public = (self.base_name, *sorted(n for n in names if n != self.base_name))
+            self._public_for = names
+        return list(self._public)
 
     def acquire(self, public: str) -> str | None:
         """The engine id serving ``public`` now, leased until ``release``; None if unknown."""

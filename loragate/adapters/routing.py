@@ -14,20 +14,27 @@ from collections import defaultdict
 class RoutingTable:
     def __init__(self) -> None:
         self._routes: dict[str, str] = {}
+        self._names: tuple[str, ...] | None = None  # public_names(), until a route changes
         self._inflight: defaultdict[str, int] = defaultdict(int)
         self._drained: dict[str, asyncio.Event] = {}
 
     def route(self, public: str, engine_id: str) -> None:
+        if public not in self._routes:
+            self._names = None
         self._routes[public] = engine_id
 
     def drop(self, public: str) -> str | None:
+        self._names = None
         return self._routes.pop(public, None)
 
     def get(self, public: str) -> str | None:
         return self._routes.get(public)
 
-    def public_names(self) -> list[str]:
-        return list(self._routes)
+    def public_names(self) -> tuple[str, ...]:
+        """The public names routed, in the order they were added (cached: asked per request)."""
+        if self._names is None:
+            self._names = tuple(self._routes)
+        return self._names
 
     def engine_ids(self) -> set[str]:
         return set(self._routes.values())

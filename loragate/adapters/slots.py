@@ -27,9 +27,15 @@ class AdapterSlots:
     def _fits(self, engine_id: str) -> bool:
         return engine_id in self._active or len(self._active) < self.slots
 
+    def try_acquire(self, engine_id: str) -> bool:
+        """Take a place at once if one is free and nobody waits (no awaiting, no timer)."""
+        if self._waiters or not self._fits(engine_id):
+            return False
+        self._active[engine_id] = self._active.get(engine_id, 0) + 1
+        return True
+
     async def acquire(self, engine_id: str) -> None:
-        if not self._waiters and self._fits(engine_id):
-            self._active[engine_id] = self._active.get(engine_id, 0) + 1
+        if self.try_acquire(engine_id):
             return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (engine_id, future)

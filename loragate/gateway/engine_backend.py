@@ -288,13 +288,14 @@ class SupervisedEngineBackend:
         deadline = time.monotonic() + self.settings.queue_deadline
         resends = ResendBudget(deadline)
         while True:
-            await self._wait_for_engine(deadline)
+            if not (self.supervisor.serving and self._prepared.is_set()):
+                await self._wait_for_engine(deadline)
             manager, endpoint = self.manager, self.supervisor.endpoint
             assert manager is not None and endpoint is not None
             engine_id = manager.acquire(public_model)
             if engine_id is None:
                 raise model_not_found(public_model, self.model_ids())
-            if self.slots is not None:
+            if self.slots is not None and not self.slots.try_acquire(engine_id):
                 try:
                     async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                         await self.slots.acquire(engine_id)
