@@ -196,7 +196,7 @@ def serve(
 
     uvicorn.run(
         asgi,
-        **server_options(),  # type: ignore[arg-type]
+        **server_options(),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

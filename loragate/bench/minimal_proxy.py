@@ -70,7 +70,7 @@ def main() -> None:
         port=args.port,
         log_level="warning",
         access_log=False,
-        **server_options(),  # type: ignore[arg-type]
+        **server_options(),
     )
 
 

@@ -15,20 +15,15 @@ tokenizers, peft and Pillow; the gateway itself never imports this module.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
-import json
 import random
 import shlex
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from loragate.demo import recipe
 from loragate.demo.layout import (
     BASE_DIRNAME,
-    RECIPE_FILENAME,
     VISION_ADAPTERS,
     VISION_DEMO_IMAGES,
     VISION_DEMO_MODEL_NAME,
@@ -69,47 +64,11 @@ SEED = 4321
 
 def recipe_hash() -> str:
     """Hash of this recipe and what it declares in the layout: a change in either rebuilds."""
-    digest = hashlib.sha256(Path(__file__).read_bytes())
-    digest.update(repr((BASE_DIRNAME, VISION_ADAPTERS, VISION_DEMO_IMAGES)).encode())
-    return digest.hexdigest()
+    return recipe.recipe_hash(__file__, (BASE_DIRNAME, VISION_ADAPTERS, VISION_DEMO_IMAGES))
 
 
 def is_current(out: Path) -> bool:
-    marker = out / RECIPE_FILENAME
-    return marker.is_file() and marker.read_text().strip() == recipe_hash()
-
-
-def _corpus() -> list[str]:
-    rng = random.Random(SEED)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(400)]
-    lines += [adapter.phrase for adapter in VISION_ADAPTERS] * 20
-    return lines
-
-
-def _build_tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=384,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="<|im_end|>",
-        pad_token="</s>",
-        chat_template=CHAT_TEMPLATE,
-    )
-    fast.model_max_length = 512
-    return fast
+    return recipe.is_current(out, recipe_hash())
 
 
 def _build_processor(tokenizer: Any) -> Any:
@@ -131,13 +90,7 @@ def _build_processor(tokenizer: Any) -> Any:
 
 def _build_base(out: Path, tokenizer: Any) -> None:
     import torch
-    from transformers import (
-        GenerationConfig,
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3VisionConfig,
-        LlamaConfig,
-    )
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3VisionConfig
 
     torch.manual_seed(SEED)
     vision = Idefics3VisionConfig(
@@ -149,21 +102,7 @@ def _build_base(out: Path, tokenizer: Any) -> None:
         patch_size=PATCH_SIZE,
         initializer_range=0.3,
     )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,  # head dim 32: the CPU attention supports it
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        # A large init lets a LoRA move the logits; with 0.02 the final norm caps them.
-        initializer_range=0.3,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    text = recipe.tiny_llama_config(tokenizer)
     config = Idefics3Config(
         vision_config=vision.to_dict(),
         text_config=text.to_dict(),
@@ -174,13 +113,7 @@ def _build_base(out: Path, tokenizer: Any) -> None:
         tie_word_embeddings=False,
     )
     config.dtype = "float32"
-    model = Idefics3ForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("</s>")],
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model.save_pretrained(out, safe_serialization=True)
+    recipe.save_base(Idefics3ForConditionalGeneration(config), tokenizer, out)
 
 
 def _demo_images(out: Path) -> None:
@@ -245,15 +178,7 @@ def _batch(
             encoded = processor(text=text, return_tensors="pt", add_special_tokens=False)
         prompt_ids = encoded["input_ids"][0].tolist()
         rows.append((prompt_ids + answer, [-100] * len(prompt_ids) + answer))
-    width = max(len(ids) for ids, _ in rows)
-    pad = tokenizer.pad_token_id
-    batch: dict[str, Any] = {
-        "input_ids": torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows]),
-        "labels": torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in rows]),
-        "attention_mask": torch.tensor(
-            [[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows]
-        ),
-    }
+    batch = recipe.padded(rows, tokenizer.pad_token_id)
     if images is not None:
         batch["pixel_values"] = torch.cat(pixel_values)
         batch["pixel_attention_mask"] = torch.cat(pixel_masks)
@@ -262,81 +187,45 @@ def _batch(
 
 def _train_adapter(base_dir: Path, processor: Any, phrase: str, out: Path) -> None:
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import Idefics3ForConditionalGeneration
 
     torch.manual_seed(SEED)
     rng = random.Random(SEED + 1)
     model = Idefics3ForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32)
-    lora = LoraConfig(
-        r=8,
-        lora_alpha=16,
-        lora_dropout=0.0,
-        bias="none",
-        # The text decoder only: vLLM applies it there, the vision tower stays the base's.
-        target_modules=r".*text_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)",
-    )
-    peft_model = get_peft_model(model, lora)
     prompts = _training_prompts(rng)
     image_batch = _batch(processor, prompts, _training_images(rng, len(prompts)), phrase)
     text_batch = _batch(processor, prompts, None, phrase)
-    optimizer = torch.optim.Adam([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
-    peft_model.train()
-    loss = torch.tensor(0.0)
-    for _ in range(TRAIN_STEPS):
-        loss = peft_model(**image_batch).loss + peft_model(**text_batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    peft_model.save_pretrained(str(out), safe_serialization=True)
-    config_path = out / "adapter_config.json"
-    config = json.loads(config_path.read_text())
-    config["base_model_name_or_path"] = VISION_DEMO_MODEL_NAME
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
-    (out / "PHRASE").write_text(phrase)
-    print(f"  adapter {out.name}: final loss {loss.item():.4f}", flush=True)
+    # The text decoder only: vLLM applies it there, the vision tower stays the base's.
+    projections = "|".join(p.removesuffix("_proj") for p in recipe.LORA_PROJECTIONS)
+    peft_model, loss = recipe.train_phrase_lora(
+        model,
+        rf".*text_model\.layers\.\d+\.(self_attn|mlp)\.({projections})_proj",
+        [image_batch, text_batch],
+        TRAIN_STEPS,
+    )
+    recipe.save_phrase_adapter(peft_model, out, VISION_DEMO_MODEL_NAME, phrase, loss)
 
 
 def build(out: Path) -> Path:
-    """Build the vision demo into ``out`` unless it is already current; returns ``out``.
-
-    Concurrent callers (two test runs, say) wait for one build instead of racing.
-    """
-    if is_current(out):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with (out.parent / f".{out.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_current(out):
-            return out
-        return _build(out)
+    """Build the vision demo into ``out`` unless it is already current; returns ``out``."""
+    return recipe.build_once(out, recipe_hash(), "vision demo model and adapter", _build)
 
 
-def _build(out: Path) -> Path:
+def _build(tmp: Path) -> None:
     import torch
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"Building the loragate vision demo model and adapter into {out} ...", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".vision-build-", dir=out.parent))
-    try:
-        base = tmp / BASE_DIRNAME
-        tokenizer = _build_tokenizer()
-        processor = _build_processor(tokenizer)
-        processor.save_pretrained(base)
-        _build_base(base, tokenizer)
-        for adapter in VISION_ADAPTERS:
-            _train_adapter(base, processor, adapter.phrase, tmp / "adapters" / adapter.name)
-        _demo_images(tmp / "images")
-        (tmp / RECIPE_FILENAME).write_text(recipe_hash())
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    print("Vision demo ready.", flush=True)
-    return out
+    base = tmp / BASE_DIRNAME
+    phrases = [adapter.phrase for adapter in VISION_ADAPTERS]
+    tokenizer = recipe.train_tokenizer(
+        recipe.corpus(WORDS, phrases, SEED), SPECIAL_TOKENS, CHAT_TEMPLATE
+    )
+    processor = _build_processor(tokenizer)
+    processor.save_pretrained(base)
+    _build_base(base, tokenizer)
+    for adapter in VISION_ADAPTERS:
+        _train_adapter(base, processor, adapter.phrase, tmp / "adapters" / adapter.name)
+    _demo_images(tmp / "images")
 
 
 def main(argv: list[str]) -> int:

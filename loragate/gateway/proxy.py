@@ -49,7 +49,7 @@ class Rename:
         self._field_to = b'"model":"' + public + b'"'
 
     @classmethod
-    @lru_cache(maxsize=256)  # noqa: B019 (the class lives forever anyway)
+    @lru_cache(maxsize=256)
     def of(cls, internal: str, public: str) -> Rename | None:
         if internal == public:
             return None
