@@ -105,6 +105,13 @@ def serve(
     max_image_pixels: Annotated[
         int | None, typer.Option(help="Most pixels in an image in a request (default: 40 million).")
     ] = None,
+    private_image_urls: Annotated[
+        bool | None,
+        typer.Option(
+            "--private-image-urls",
+            help="Let image URLs point at loopback/private addresses (default: refused).",
+        ),
+    ] = None,
     cors_origin: Annotated[
         list[str] | None,
         typer.Option(
@@ -144,6 +151,7 @@ def serve(
         "max_tokens_cap": max_tokens_cap,
         "max_image_bytes": max_image_bytes,
         "max_image_pixels": max_image_pixels,
+        "private_image_urls": private_image_urls,
         "cors_origins": cors_origin or None,
         "docs": docs,
         "allowed_media_dir": allowed_media_dir,

@@ -122,6 +122,13 @@ class Settings(BaseSettings):
     max_tokens_cap: int | None = Field(default=None, ge=1)
     max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
     max_image_pixels: int = Field(default=40_000_000, gt=0)
+    private_image_urls: bool = Field(
+        default=False,
+        description=(
+            "Let image URLs name loopback, private or link-local addresses (the engine fetches "
+            "them). Off: such URLs are a 400 and the engine follows no redirects."
+        ),
+    )
 
     # Adapters.
     follow_interval: float = Field(default=30.0, gt=0)

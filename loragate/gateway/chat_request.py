@@ -125,7 +125,10 @@ async def normalize_chat_request(payload: dict[str, Any], settings: Settings) ->
         _vi_to_messages(body)
     _translate_guided(body)
     media = _media_policy(
-        settings.allowed_media_dir, settings.max_image_bytes, settings.max_image_pixels
+        settings.allowed_media_dir,
+        settings.max_image_bytes,
+        settings.max_image_pixels,
+        settings.private_image_urls,
     )
     try:
         await _check_messages(body["messages"], media, settings.max_messages)
@@ -142,8 +145,10 @@ async def normalize_chat_request(payload: dict[str, Any], settings: Settings) ->
 
 
 @functools.lru_cache(maxsize=8)
-def _media_policy(allowed_dir: Path | None, max_bytes: int, max_pixels: int) -> MediaPolicy:
-    return MediaPolicy(allowed_dir, max_bytes, max_pixels)
+def _media_policy(
+    allowed_dir: Path | None, max_bytes: int, max_pixels: int, private_urls: bool
+) -> MediaPolicy:
+    return MediaPolicy(allowed_dir, max_bytes, max_pixels, private_urls)
 
 
 def _vi_to_messages(body: dict[str, Any]) -> None:

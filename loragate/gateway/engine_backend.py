@@ -28,6 +28,7 @@ from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.store import AdapterStore
 from loragate.demo.layout import DEMO_ADAPTERS, demo_adapter_dir, demo_base_dir, ensure_demo
 from loragate.gateway.errors import OpenAIError
+from loragate.gateway.media import engine_media_env
 from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable
 from loragate.gateway.resend import ResendBudget
 from loragate.settings import Settings
@@ -225,7 +226,10 @@ class SupervisedEngineBackend:
             extra_args=self._extra_engine_args + list(settings.engine_args),
             python=settings.engine_python,
             command=settings.engine_command,
-            env=self._engine_env,
+            env={
+                **engine_media_env(settings.max_image_bytes, settings.private_image_urls),
+                **self._engine_env,
+            },
         )
 
     # ----- what the routes ask --------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import ipaddress
 import os
 import stat
 from pathlib import Path
@@ -29,11 +30,43 @@ _SIGNATURES = {
 _WHITESPACE = b" \t\r\n"
 
 
+def is_private_host(host: str) -> bool:
+    """Whether ``host`` names this machine or a non-public network by itself (a literal
+    address, or localhost). Names that merely resolve to one are the engine's to fetch, with
+    redirects off (see ``engine_media_env``)."""
+    host = host.strip("[]").rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return not address.is_global
+
+
+def engine_media_env(max_image_bytes: int, private_urls: bool) -> dict[str, str]:
+    """The engine's own limits for the image URLs it fetches: the gateway's size cap, and no
+    redirects unless private addresses are allowed (a public URL could redirect to one)."""
+    env = {"VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB": str(max(1, -(-max_image_bytes // (1 << 20))))}
+    if not private_urls:
+        env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] = "0"
+    return env
+
+
 class MediaPolicy:
-    def __init__(self, allowed_dir: Path | None, max_bytes: int, max_pixels: int) -> None:
+    def __init__(
+        self,
+        allowed_dir: Path | None,
+        max_bytes: int,
+        max_pixels: int,
+        private_urls: bool = False,
+    ) -> None:
         self.allowed_dir = allowed_dir.expanduser().resolve() if allowed_dir else None
         self.max_bytes = max_bytes
         self.max_pixels = max_pixels
+        self.private_urls = private_urls
 
     def image_url(self, url: object, param: str) -> str:
         """The URL to send to the engine for ``url``, or a 400 naming the problem."""
@@ -49,6 +82,15 @@ class MediaPolicy:
                 host = None
             if not host:
                 raise _bad(param, f"the image URL {url[:80]!r} has no valid host")
+            if not self.private_urls and is_private_host(host):
+                raise OpenAIError(
+                    403,
+                    f"the image URL {url[:80]!r} points at a loopback, private or link-local "
+                    "address, which the engine will not fetch on this gateway (start it with "
+                    "--private-image-urls to allow that), or send the image as a data URI",
+                    param=param,
+                    code="image_url_forbidden",
+                )
             return url
         if lowered.startswith("data:"):
             data = self._decode_data_uri(url, param)

@@ -386,6 +386,41 @@ async def test_http_urls_pass_through_and_other_schemes_are_refused(settings: Se
     assert "scheme" in (await refused(image_request("ftp://example.com/cat.png"), settings)).message
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8000/v1/models",
+        "http://localhost/cat.png",
+        "http://api.localhost./cat.png",
+        "http://10.1.2.3/cat.png",
+        "http://192.168.0.7/cat.png",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://[::1]:9000/cat.png",
+        "http://[::ffff:127.0.0.1]/cat.png",
+        "http://0.0.0.0/cat.png",
+    ],
+)
+async def test_image_urls_naming_this_machine_or_a_private_network_are_refused(
+    settings: Settings, url: str
+) -> None:
+    error = await refused(image_request(url), settings, status=403)
+    assert error.code == "image_url_forbidden", error.message
+    assert "--private-image-urls" in error.message
+    allowed = settings.model_copy(update={"private_image_urls": True})
+    body = await normalize(image_request(url), allowed)
+    assert body["messages"][0]["content"][0]["image_url"]["url"] == url
+
+
+def test_the_engine_fetches_image_urls_within_the_gateway_limits() -> None:
+    assert media.engine_media_env(20 * 1024 * 1024, private_urls=False) == {
+        "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB": "20",
+        "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
+    }
+    assert media.engine_media_env(1000, private_urls=True) == {
+        "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB": "1"
+    }
+
+
 async def test_vi_sdk_image_parts_become_image_url_parts(settings: Settings) -> None:
     payload = {
         "messages": [
