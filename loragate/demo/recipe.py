@@ -60,7 +60,7 @@ def build_once(out: Path, recipe: str, what: str, make: Callable[[Path], None]) 
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
-    print(f"The {what} is ready.", flush=True)
+    print(f"Built the {what}.", flush=True)
     return out
 
 
