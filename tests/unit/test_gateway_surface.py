@@ -60,6 +60,14 @@ async def test_cors_allows_only_the_configured_origins(tmp_path: Path) -> None:
         )
         assert other.status_code == 400
         assert "access-control-allow-origin" not in other.headers
+        # The inference routes too (they skip FastAPI's layers only when CORS is off).
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}]},
+            headers={"Origin": "https://app.example"},
+        )
+        assert chat.status_code == 200
+        assert chat.headers["access-control-allow-origin"] == "https://app.example"
 
 
 @pytest.mark.parametrize(
