@@ -276,16 +276,21 @@ http {{
         return total
 
     def wait_ready(self, timeout: float = 10) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.check()
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=1),
-            ):
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"nginx did not listen; log:\n{self.tail()}")
+        wait_listening(self, self.port, timeout)
+
+
+def wait_listening(process: Process, port: int, timeout: float) -> None:
+    """Wait until ``process`` accepts connections on 127.0.0.1:``port``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        process.check()
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection(("127.0.0.1", port), timeout=1),
+        ):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{process.name} did not listen; log:\n{process.tail()}")
 
 
 def nginx_available() -> bool:
@@ -316,13 +321,4 @@ class MinimalProxy(Process):
         super().__init__("minimal proxy", argv, workdir / "minimal-proxy.log", env=env, cpus=cpus)
 
     def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.check()
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), timeout=1),
-            ):
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"the minimal proxy did not listen; log:\n{self.tail()}")
+        wait_listening(self, self.port, timeout)

@@ -79,7 +79,8 @@ async def list_models(request: Request) -> Response:
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
-async def chat_completions(request: Request) -> Response:
+async def _accept(request: Request) -> tuple[Gateway, str, dict[str, Any]]:
+    """The gateway, the request id (recorded for the metrics) and the authorized JSON body."""
     gateway: Gateway = request.app.state.gateway
     request_id = _request_id(request)
     observation = current_observation.get()
@@ -87,18 +88,17 @@ async def chat_completions(request: Request) -> Response:
         observation.request_id = request_id
     gateway.keys.check_inference(request)
     payload = await read_json_object(request, gateway.settings.max_body_bytes)
+    return gateway, request_id, payload
+
+
+async def chat_completions(request: Request) -> Response:
+    gateway, request_id, payload = await _accept(request)
     payload = await gateway.chat_request(payload)
     return await _forward(gateway, "/v1/chat/completions", payload, request_id)
 
 
 async def completions(request: Request) -> Response:
-    gateway: Gateway = request.app.state.gateway
-    request_id = _request_id(request)
-    observation = current_observation.get()
-    if observation is not None:
-        observation.request_id = request_id
-    gateway.keys.check_inference(request)
-    payload = await read_json_object(request, gateway.settings.max_body_bytes)
+    gateway, request_id, payload = await _accept(request)
     gateway.check_generation_limits(payload)
     return await _forward(gateway, "/v1/completions", payload, request_id)
 
