@@ -126,6 +126,12 @@ def serve(
     ] = None,
     config: Annotated[Path | None, typer.Option(help="Settings file (TOML or YAML).")] = None,
     log_json: Annotated[bool | None, typer.Option("--log-json", help="Log as JSON lines.")] = None,
+    access_log: Annotated[
+        bool | None,
+        typer.Option(
+            "--access-log", help="Log each inference request: id, model, status, duration."
+        ),
+    ] = None,
 ) -> None:
     """Start the engine and the gateway. Arguments after `--` go to the engine untouched."""
     from loragate.settings import load_settings
@@ -158,6 +164,7 @@ def serve(
         "upstream_url": upstream_url,
         "engine_args": list(ctx.args) or None,
         "log_json": log_json,
+        "access_log": access_log,
     }
     try:
         settings = load_settings(config, **explicit)

@@ -135,6 +135,10 @@ class Settings(BaseSettings):
     store_max_bytes: int | None = Field(default=None, ge=0)
 
     log_json: bool = False
+    access_log: bool = Field(
+        default=False,
+        description="Log one line per inference request (request id, model, status, duration).",
+    )
     log_level: str = "info"
 
     @field_validator("lora", "api_key", "cors_origins", "engine_args", mode="before")

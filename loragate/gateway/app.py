@@ -150,7 +150,7 @@ def create_app(
             allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
         )
     # Outermost, so request durations include every other middleware.
-    access_log = bool(getattr(settings, "access_log", False))
+    access_log = settings.access_log
     app.add_middleware(RequestObserver, metrics=gateway.metrics, access_log_enabled=access_log)
     if not settings.cors_origins:
         full_stack = super(GatewayApp, app).__call__  # never reached: the paths are all hot

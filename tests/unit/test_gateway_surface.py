@@ -176,6 +176,8 @@ def test_serve_flags_reach_the_settings(tmp_path: Path, monkeypatch: pytest.Monk
             "--max-image-pixels", "640000",
             "--cors-origin", "https://a.example", "--cors-origin", "https://b.example",
             "--no-docs",
+            "--private-image-urls",
+            "--access-log",
         ],
     )  # fmt: skip
     assert isinstance(result.exception, _Captured), result.output
@@ -191,6 +193,8 @@ def test_serve_flags_reach_the_settings(tmp_path: Path, monkeypatch: pytest.Monk
     assert (settings.max_image_bytes, settings.max_image_pixels) == (5000, 640000)
     assert settings.cors_origins == ["https://a.example", "https://b.example"]
     assert settings.docs is False
+    assert settings.private_image_urls is True
+    assert settings.access_log is True
 
 
 def test_serve_defaults_keep_cors_off_and_docs_on(
