@@ -204,6 +204,18 @@ REFUSALS: dict[str, Refusal] = {
     "image-ftp-url": Refusal(
         _image("ftp://example.com/cat.png"), 400, "invalid_image", "Unsupported image URL scheme"
     ),
+    "image-url-at-this-machine": Refusal(
+        _image("http://127.0.0.1:8000/v1/load_lora_adapter"),
+        403,
+        "image_url_forbidden",
+        "start it with --private-image-urls",
+    ),
+    "image-url-at-cloud-metadata": Refusal(
+        _image("http://169.254.169.254/latest/meta-data/"),
+        403,
+        "image_url_forbidden",
+        "loopback, private or link-local address",
+    ),
     "unknown-model": Refusal(
         _chat(model="gpt-4"), 404, "model_not_found", "Valid models: loragate-demo"
     ),

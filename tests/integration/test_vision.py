@@ -70,6 +70,8 @@ def vision_gateway(
             "--model-name", BASE,
             "--lora", f"{ADAPTER}={demo_adapter_dir(vision_demo, ADAPTER)}",
             "--allowed-media-dir", str(vision_media),
+            # The image-URL test serves its images from 127.0.0.1 (nothing here is online).
+            "--private-image-urls",
             "--", *VISION_ENGINE_ARGS,
         ],
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
