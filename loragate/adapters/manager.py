@@ -27,6 +27,7 @@ from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
 from loragate.adapters.routing import RoutingTable
 from loragate.adapters.store import AdapterStore, StoredAdapter, TamperedAdapterError
+from loragate.adapters.store_watch import StoreWatch
 from loragate.adapters.zero_adapter import write_zero_adapter
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 from loragate.supervisor.engine_client import EngineClient, EngineRefused
@@ -101,6 +102,7 @@ class AdapterManager:
             self.base_engine_id = engine_id(ZERO_ADAPTER_NAME, digest)
         self.routes.route(base_name, self.base_engine_id)
         self.follower = AdapterFollower(self, follow_interval)
+        self.store_watch = StoreWatch(self, follow_interval)
 
     # ----- what the gateway asks -----------------------------------------------------------
 
@@ -265,6 +267,7 @@ class AdapterManager:
 
     async def aclose(self) -> None:
         await self.follower.aclose()
+        await self.store_watch.aclose()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):

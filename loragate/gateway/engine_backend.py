@@ -195,6 +195,7 @@ class SupervisedEngineBackend:
         for name, source in boot_loras:
             await self.manager.declare(name, source)
         self.manager.follower.sync()
+        self.manager.store_watch.start()
 
     def _vi_run(self) -> tuple[Path, Path | None]:
         """A Datature Vi run's base model and adapter, downloaded once into the cache dir."""

@@ -325,6 +325,11 @@ _ADAPTER_COUNTERS = (
         "loragate_adapter_unloads_total",
         "Retired adapter versions unloaded after draining.",
     ),
+    (
+        "store_repairs",
+        "loragate_adapter_store_repairs_total",
+        "Live adapter versions found modified on disk and stored again from their source.",
+    ),
 )
 
 

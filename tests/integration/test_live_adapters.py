@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import re
 import shutil
 import threading
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import adapter_fixtures as fx
 from tests.conftest import PHRASES, phrase_of
 from tests.gateway_process import GatewayProcess
 
@@ -93,6 +96,38 @@ def test_more_adapters_than_engine_slots_all_answer(
     finally:
         for copy in extra:
             gateway.admin("DELETE", f"/admin/adapters/{copy}")
+
+
+def test_a_live_adapter_modified_on_disk_is_stored_again_and_keeps_answering(
+    gateway: GatewayProcess, demo_dir: Path, tmp_path: Path
+) -> None:
+    # The engine re-reads adapters from the store on its own (its adapter cache holds fewer
+    # than are registered here), so the gateway watches the live versions' files.
+    own = fx.with_unique_config(demo_dir / "adapters" / "owl", tmp_path / "owl-mended")
+    assert put_adapter(gateway, "mended", own).status_code == 200
+    try:
+        listed = {a["name"]: a for a in gateway.admin("GET", "/admin/adapters").json()["data"]}
+        version = listed["mended"]["version"]
+        weights = (
+            gateway.cache_dir / "adapters" / "versions" / version / "adapter_model.safetensors"
+        )
+        good = weights.read_bytes()
+        weights.chmod(0o644)  # stored read-only: this is deliberate
+        weights.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+        deadline = time.monotonic() + 30  # the shared gateway checks every second
+        restored = False
+        while time.monotonic() < deadline and not restored:
+            time.sleep(0.2)
+            with contextlib.suppress(OSError):
+                restored = weights.read_bytes() == good
+        assert restored, gateway.log_tail()
+        listed = {a["name"]: a for a in gateway.admin("GET", "/admin/adapters").json()["data"]}
+        assert listed["mended"]["version"] == version and listed["mended"]["state"] == "ready"
+        assert phrase_of(ask(gateway.url, "mended")[1]) == "owl"
+        metrics = httpx.get(f"{gateway.url}/metrics", timeout=30).text
+        assert re.search(r"^loragate_adapter_store_repairs_total [1-9]", metrics, re.M), metrics
+    finally:
+        gateway.admin("DELETE", "/admin/adapters/mended")
 
 
 def test_swap_under_load_never_fails_or_misroutes_then_rolls_back(
