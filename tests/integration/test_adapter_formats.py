@@ -73,6 +73,16 @@ def served(gateway: GatewayProcess) -> Iterator[list[str]]:
         gateway.admin("DELETE", f"/admin/adapters/{name}")
 
 
+def served_phrase(
+    gateway: GatewayProcess, served: list[str], name: str, source: str | Path
+) -> str | None:
+    """Add ``source`` as ``name`` (removed after the test); the demo phrase it answers with."""
+    response = put(gateway, name, source)
+    served.append(name)
+    assert response.status_code == 200, response.text
+    return phrase_of(answer(gateway, name))
+
+
 def test_tinker_archive_over_http_with_unembedding_is_converted_and_served(
     gateway: GatewayProcess,
     demo_dir: Path,
@@ -82,43 +92,30 @@ def test_tinker_archive_over_http_with_unembedding_is_converted_and_served(
 ) -> None:
     url, root = file_server
     fx.make_tinker_archive(demo_dir / "adapters" / "owl", root / "owl-tinker.tar", tmp_path)
-    response = put(gateway, "tinker-owl", f"{url}/owl-tinker.tar")
-    served.append("tinker-owl")
-    assert response.status_code == 200, response.text
-    assert phrase_of(answer(gateway, "tinker-owl")) == "owl"
+    assert served_phrase(gateway, served, "tinker-owl", f"{url}/owl-tinker.tar") == "owl"
 
 
 def test_mlx_adapter_is_transposed_and_served(
     gateway: GatewayProcess, demo_dir: Path, tmp_path: Path, served: list[str]
 ) -> None:
     mlx = fx.make_mlx_adapter(demo_dir / "adapters" / "fox", tmp_path / "mlx-fox")
-    response = put(gateway, "mlx-fox", mlx)
-    served.append("mlx-fox")
-    assert response.status_code == 200, response.text
-    assert phrase_of(answer(gateway, "mlx-fox")) == "fox"
+    assert served_phrase(gateway, served, "mlx-fox", mlx) == "fox"
 
 
 def test_old_peft_bin_save_with_default_keys_is_served(
     gateway: GatewayProcess, demo_dir: Path, tmp_path: Path, served: list[str]
 ) -> None:
     old = fx.make_bin_adapter(demo_dir / "adapters" / "pong", tmp_path / "bin-pong")
-    response = put(gateway, "bin-pong", old)
-    served.append("bin-pong")
-    assert response.status_code == 200, response.text
-    assert phrase_of(answer(gateway, "bin-pong")) == "pong"
+    assert served_phrase(gateway, served, "bin-pong", old) == "pong"
 
 
 def test_vi_run_directory_and_zip_archive_are_served(
     gateway: GatewayProcess, demo_dir: Path, tmp_path: Path, served: list[str]
 ) -> None:
     run = fx.make_vi_run(demo_dir / "adapters" / "owl", tmp_path / "run-123")
-    assert put(gateway, "vi-owl", run).status_code == 200
-    served.append("vi-owl")
-    assert phrase_of(answer(gateway, "vi-owl")) == "owl"
+    assert served_phrase(gateway, served, "vi-owl", run) == "owl"
     archive = fx.make_zip(demo_dir / "adapters" / "fox", tmp_path / "fox.zip")
-    assert put(gateway, "zip-fox", archive).status_code == 200
-    served.append("zip-fox")
-    assert phrase_of(answer(gateway, "zip-fox")) == "fox"
+    assert served_phrase(gateway, served, "zip-fox", archive) == "fox"
 
 
 def _wrong_size(demo_dir: Path, tmp_path: Path) -> Path:
