@@ -151,6 +151,22 @@ def _media_policy(
     return MediaPolicy(allowed_dir, max_bytes, max_pixels, private_urls)
 
 
+def vi_messages(
+    source: str | None, user_prompt: str | None, system_prompt: str | None = None
+) -> list[dict[str, Any]]:
+    """The OpenAI messages a Vi request stands for: the image part first, the text second."""
+    content: list[dict[str, Any]] = []
+    if source:
+        content.append({"type": "image_url", "image_url": {"url": source}})
+    if user_prompt is not None:
+        content.append({"type": "text", "text": user_prompt})
+    messages: list[dict[str, Any]] = []
+    if system_prompt:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.append({"role": "user", "content": content})
+    return messages
+
+
 def _vi_to_messages(body: dict[str, Any]) -> None:
     source = body.pop("source", None)
     prompt = body.pop("user_prompt", None)
@@ -164,16 +180,7 @@ def _vi_to_messages(body: dict[str, Any]) -> None:
         )
     if system is not None and not isinstance(system, str):
         raise _bad("Vi 'system_prompt' must be a string.", param="system_prompt")
-    content: list[dict[str, Any]] = []
-    if source is not None:
-        content.append({"type": "image_url", "image_url": {"url": source}})
-    if prompt is not None:
-        content.append({"type": "text", "text": prompt})
-    messages: list[dict[str, Any]] = []
-    if system:
-        messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": content})
-    body["messages"] = messages
+    body["messages"] = vi_messages(source, prompt, system)
 
 
 def _vi_request(payload: dict[str, Any], messages: list[dict[str, Any]]) -> ViRequest:

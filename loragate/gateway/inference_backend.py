@@ -32,7 +32,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 
 from loragate.gateway.backend import GatewayBackend
-from loragate.gateway.chat_request import ChatRequest, ViRequest
+from loragate.gateway.chat_request import ChatRequest, ViRequest, vi_messages
 from loragate.gateway.errors import OpenAIError
 
 log = logging.getLogger("loragate.gateway")
@@ -132,22 +132,6 @@ class InferenceBackend(ABC):
     def count_tokens(self, text: str) -> int:
         """Token count for ``usage`` where the backend gives none; override with a tokenizer."""
         return len(text.split())
-
-
-def vi_messages(
-    source: str | None, user_prompt: str | None, system_prompt: str | None = None
-) -> list[dict[str, Any]]:
-    """The OpenAI messages a Vi request stands for: the image part first, the text second."""
-    content: list[dict[str, Any]] = []
-    if source:
-        content.append({"type": "image_url", "image_url": {"url": source}})
-    if user_prompt is not None:
-        content.append({"type": "text", "text": user_prompt})
-    messages: list[dict[str, Any]] = []
-    if system_prompt:
-        messages.append({"role": "system", "content": system_prompt})
-    messages.append({"role": "user", "content": content})
-    return messages
 
 
 # OpenAI parameter -> the Hugging Face name backends get it under.
