@@ -211,7 +211,7 @@ def serve(
 
     uvicorn.run(
         asgi,
-        **server_options(),
+        **server_options(asgi),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

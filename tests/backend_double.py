@@ -17,6 +17,8 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from loragate.gateway.app import create_app
+from loragate.gateway.proxy import ProxyClient
+from loragate.gateway.runtime import server_options
 from loragate.settings import Settings
 
 
@@ -52,6 +54,44 @@ class RecordingBackend:
         return Response(orjson.dumps(answer), media_type="application/json")
 
 
+class ProxiedBackend:
+    """A GatewayBackend that sends requests to a fake engine through the real ProxyClient."""
+
+    def __init__(
+        self, base_url: str, models: list[str], supervisor: Any = None, manager: Any = None
+    ) -> None:
+        self.base_url = base_url
+        self.models = models
+        self.supervisor = supervisor
+        self.manager = manager
+        self.proxy = ProxyClient()
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        await self.proxy.aclose()
+
+    def model_ids(self) -> list[str]:
+        return self.models
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        return True, {"status": "ok"}
+
+    async def forward(
+        self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
+    ) -> Response:
+        return await self.proxy.forward(
+            self.base_url + path,
+            orjson.dumps(payload),
+            {"Content-Type": "application/json", "X-Request-Id": request_id},
+            stream=stream,
+            rename=None,
+            on_done=lambda: None,
+            response_headers={"X-Request-ID": request_id},
+        )
+
+
 def settings_for(cache_dir: Path, **values: Any) -> Settings:
     """Settings that keep everything the gateway writes inside ``cache_dir``."""
     return Settings(cache_dir=cache_dir, **values)
@@ -68,11 +108,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    """Run ``app`` under uvicorn on a free loopback port in a thread; yields its URL."""
+def serving(app: FastAPI, *, as_served: bool = False) -> Iterator[str]:
+    """Run ``app`` under uvicorn on a free loopback port in a thread; yields its URL.
+
+    ``as_served``: with the options ``gateway serve`` gives uvicorn (its hot-route protocol).
+    """
     port = free_port()
+    options = server_options(app) if as_served else {}
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **options
+        )
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

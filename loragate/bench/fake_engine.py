@@ -32,6 +32,7 @@ class FakeEngine:
     # time per output token.
     token_interval: float = 0.0
     requests: int = 0
+    streams_cut: int = 0  # trickled streams whose client (the gateway) hung up midway
     loaded: dict[str, str] = field(default_factory=dict)
 
 
@@ -179,6 +180,7 @@ class _Request(asyncio.Protocol):
         for event in events:
             await asyncio.sleep(self.state.token_interval)
             if self.transport is None or self.transport.is_closing():
+                self.state.streams_cut += 1
                 return
             self.transport.write(event)
 

@@ -460,6 +460,12 @@ async def measure_engine(
     )
 
     report.say("")
+    if options.block_rounds < 1:
+        report.say("Throughput: skipped (--block-rounds 0).")
+        report.goal(
+            rss_idle <= 120 * 2**20, f"loragate RSS idle {rss_idle / 2**20:.1f} MB (goal <= 120 MB)"
+        )
+        return
     report.say(
         f"Throughput, non-streaming chat, max_tokens=1, {options.block_rounds} rounds of "
         f"{options.block_seconds:g} s blocks per target, rotating (x = fraction of direct)"

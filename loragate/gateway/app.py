@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loragate.gateway import routes_admin, routes_health, routes_inference, routes_metrics
 from loragate.gateway.auth import KeyConfigError, check_key_settings
@@ -20,34 +20,10 @@ from loragate.gateway.inference_backend import InferenceBackend, as_gateway_back
 from loragate.gateway.metrics import RequestObserver, route_path
 from loragate.gateway.openapi_schemas import install_openapi
 from loragate.gateway.runtime import Gateway
+from loragate.gateway.security_headers import SecurityHeaders
 from loragate.settings import Settings
 
 log = logging.getLogger("loragate.gateway")
-
-_SECURITY_HEADERS = [
-    (b"x-content-type-options", b"nosniff"),
-    (b"x-frame-options", b"DENY"),
-    (b"referrer-policy", b"no-referrer"),
-]
-
-
-class SecurityHeaders:
-    """Adds a few defensive headers to every response (pure ASGI: no per-request object churn)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), *_SECURITY_HEADERS]
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)
 
 
 class GatewayApp(FastAPI):

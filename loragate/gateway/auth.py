@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-
-from starlette.requests import Request
+from collections.abc import Mapping
+from typing import Protocol
 
 from loragate.gateway.errors import OpenAIError
 from loragate.settings import Settings
@@ -27,7 +27,14 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
-def presented_key(request: Request) -> str | None:
+class HasHeaders(Protocol):
+    """A request, as far as keys go: Starlette's, or the hot path's (``hot_protocol``)."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+
+def presented_key(request: HasHeaders) -> str | None:
     """The key a client sent: ``Authorization: Bearer KEY``, else ``X-API-Key: KEY``."""
     header = request.headers.get("authorization")
     if header and header[:7].lower() == "bearer ":
@@ -61,7 +68,7 @@ class KeyChecker:
     def admin_open(self) -> bool:
         return not self._admin
 
-    def check_inference(self, request: Request) -> None:
+    def check_inference(self, request: HasHeaders) -> None:
         if not self._inference:
             return
         presented = presented_key(request)
@@ -73,7 +80,7 @@ class KeyChecker:
                 headers=_CHALLENGE,
             )
 
-    def check_admin(self, request: Request) -> None:
+    def check_admin(self, request: HasHeaders) -> None:
         if not self._admin:
             return  # only allowed when bound to loopback; create_app enforces that
         presented = presented_key(request)

@@ -231,10 +231,10 @@ class RequestObserver:
             ended = observation.finished or clock()
             metrics.record(route, observation, ended)
             if self.access_log_enabled:
-                _log_access(scope, observation, ended)
+                log_access(scope, observation, ended)
 
 
-def _log_access(scope: Scope, observation: RequestObservation, ended: float) -> None:
+def log_access(scope: Scope, observation: RequestObservation, ended: float) -> None:
     duration_ms = round((ended - observation.started) * 1000, 2)
     access_log.info(
         "%s %s %s model=%s request_id=%s %.2f ms",

@@ -470,7 +470,8 @@ class _RelayResponse(Response):
 
     Lighter than Starlette's StreamingResponse (no task group per request): one small task
     watches for the client going away and cuts the upstream connection, which makes the
-    engine abort the generation.
+    engine abort the generation. ``hot_protocol`` drives the same ``read``/``close``/``abort``
+    without ASGI.
     """
 
     media_type = "text/event-stream"
@@ -494,68 +495,83 @@ class _RelayResponse(Response):
         self._rename = rename
         self._on_done: Callable[[], None] | None = on_done
         self._started = started
+        self._pending = b""
+        self._ended = False
+        self._observation = current_observation.get()
+
+    async def read(self) -> bytes | None:
+        """The next bytes to pass on (whole events when renaming); None after the last.
+
+        If the upstream breaks midway, the last bytes are an OpenAI-shaped error event.
+        """
+        if self._ended:
+            return None
+        rename = self._rename
+        try:
+            while True:
+                chunk = await self._conn.next_chunk()
+                if chunk is None:
+                    self._end()
+                    tail, self._pending = self._pending, b""
+                    if not tail:
+                        return None
+                    return rename.model_field(tail) if rename is not None else tail
+                if rename is None:
+                    return chunk
+                # Rewrite whole events only: a chunk may end in the middle of one.
+                if self._pending:
+                    chunk, self._pending = self._pending + chunk, b""
+                if not chunk.endswith(_EVENT_END):
+                    cut = chunk.rfind(_EVENT_END)
+                    if cut < 0:
+                        self._pending = chunk
+                        continue
+                    cut += len(_EVENT_END)
+                    chunk, self._pending = chunk[:cut], chunk[cut:]
+                return rename.model_field(chunk)
+        except UpstreamBroken:
+            self._end()
+            return error_event(
+                "the engine stopped while streaming this answer; it is being restarted, "
+                "retry the request",
+                code="engine_stream_interrupted",
+            )
+
+    def _end(self) -> None:
+        self._ended = True
+        if self._observation is not None:
+            self._observation.upstream_seconds += time.perf_counter() - self._started
+
+    def abort(self) -> None:
+        """The client went away: cut the upstream connection, so the engine stops generating."""
+        if not self._ended:
+            self._conn.abort()
+
+    def close(self) -> None:
+        """Give the connection back (or drop it, if unfinished) and end the lease; idempotent."""
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            self._pool.give_back(self._origin, self._conn)
+            on_done()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        conn, rename = self._conn, self._rename
-        observation = current_observation.get()
-        finished = False
-
         async def watch_client() -> None:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    if not finished:
-                        conn.abort()
+                    self.abort()
                     return
 
         watcher = asyncio.get_running_loop().create_task(watch_client())
-        pending = b""
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            try:
-                while True:
-                    chunk = await conn.next_chunk()
-                    if chunk is None:
-                        break
-                    if rename is not None:
-                        # Rewrite whole events only: a chunk may end in the middle of one.
-                        if pending:
-                            chunk, pending = pending + chunk, b""
-                        if not chunk.endswith(_EVENT_END):
-                            cut = chunk.rfind(_EVENT_END)
-                            if cut < 0:
-                                pending = chunk
-                                continue
-                            cut += len(_EVENT_END)
-                            chunk, pending = chunk[:cut], chunk[cut:]
-                        chunk = rename.model_field(chunk)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if pending:
-                    tail = rename.model_field(pending) if rename is not None else pending
-                    await send({"type": "http.response.body", "body": tail, "more_body": True})
-            except UpstreamBroken:
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": error_event(
-                            "the engine stopped while streaming this answer; it is being "
-                            "restarted, retry the request",
-                            code="engine_stream_interrupted",
-                        ),
-                        "more_body": True,
-                    }
-                )
-            finished = True
-            if observation is not None:
-                observation.upstream_seconds += time.perf_counter() - self._started
+            while (chunk := await self.read()) is not None:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            finished = True
+            self._ended = True
             watcher.cancel()
-            self._pool.give_back(self._origin, conn)
-            on_done, self._on_done = self._on_done, None
-            if on_done is not None:
-                on_done()
+            self.close()
 
     def __del__(self) -> None:
         # Built but never sent (the client left before the route returned): free the lease.

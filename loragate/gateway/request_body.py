@@ -12,17 +12,24 @@ from loragate.gateway.errors import OpenAIError
 
 async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     """The body as a JSON object; 413 past ``max_bytes``, 400 for anything that is not one."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
+    check_declared_length(request.headers.get("content-length"), max_bytes)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise _too_large(max_bytes)
+            raise too_large(max_bytes)
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    return parse_json_object(b"".join(chunks))
+
+
+def check_declared_length(declared: str | None, max_bytes: int) -> None:
+    """413 now for a Content-Length past ``max_bytes``, before a byte of the body is read."""
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large(max_bytes)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise OpenAIError(
             400, "The request body is empty; send a JSON object.", code="invalid_json"
@@ -38,7 +45,7 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     return body
 
 
-def _too_large(max_bytes: int) -> OpenAIError:
+def too_large(max_bytes: int) -> OpenAIError:
     return OpenAIError(
         413,
         f"The request body is larger than {max_bytes} bytes (--max-body-bytes).",

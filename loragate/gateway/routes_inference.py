@@ -1,18 +1,19 @@
 """OpenAI-compatible inference routes: thin handlers that parse, call the backend, answer.
 
 The two POST routes are the hot path, so they skip the framework's per-request machinery:
-they are plain Starlette routes (FastAPI's dependency solving and exit stacks would cost
-about a fifth of the gateway's time for nothing, as they take the raw request anyway), and
-``InferenceFastPath`` answers them ahead of the router, so route matching, the exception
-middleware and the exit-stack middleware are skipped too. The routes stay registered for
-the OpenAPI description and for apps that mount this router without the fast path. Errors
-keep their OpenAI shape either way.
+the endpoints take the gateway, the request id and the JSON body, nothing from a framework.
+Under ``gateway serve`` they are answered straight from uvicorn's connections
+(``hot_protocol``). On any other ASGI server, ``InferenceFastPath`` answers them ahead of
+the router (route matching, the exception and exit-stack middleware are skipped), as plain
+Starlette routes (FastAPI's dependency solving would cost a fifth of the gateway's time for
+nothing). The routes stay registered for the OpenAPI description and for apps that mount
+this router without the fast path. Errors keep their OpenAI shape every way.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -20,6 +21,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from loragate.gateway.auth import HasHeaders
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.metrics import current_observation, route_path
 from loragate.gateway.request_body import read_json_object
@@ -32,15 +34,22 @@ router = APIRouter()
 _ids = random.Random()
 
 
-def _request_id(request: Request) -> str:
+def _request_id(headers: Mapping[str, str]) -> str:
     """The client's X-Request-ID when it is sane, else a new one."""
-    for name, value in request.scope["headers"]:  # names arrive lower-cased (ASGI)
-        if name == b"x-request-id":
-            given = value.decode("latin-1")
-            if given and len(given) <= 128 and given.isprintable():
-                return given
-            break
+    given = headers.get("x-request-id")
+    if given and len(given) <= 128 and given.isprintable():
+        return given
     return f"{_ids.getrandbits(128):032x}"
+
+
+def admit(gateway: Gateway, request: HasHeaders) -> str:
+    """Check the caller's key; the request id (recorded for the metrics and the access log)."""
+    request_id = _request_id(request.headers)
+    observation = current_observation.get()
+    if observation is not None:
+        observation.request_id = request_id
+    gateway.keys.check_inference(request)
+    return request_id
 
 
 def _target_model(gateway: Gateway, payload: dict[str, Any]) -> str:
@@ -79,26 +88,12 @@ async def list_models(request: Request) -> Response:
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
-async def _accept(request: Request) -> tuple[Gateway, str, dict[str, Any]]:
-    """The gateway, the request id (recorded for the metrics) and the authorized JSON body."""
-    gateway: Gateway = request.app.state.gateway
-    request_id = _request_id(request)
-    observation = current_observation.get()
-    if observation is not None:
-        observation.request_id = request_id
-    gateway.keys.check_inference(request)
-    payload = await read_json_object(request, gateway.settings.max_body_bytes)
-    return gateway, request_id, payload
-
-
-async def chat_completions(request: Request) -> Response:
-    gateway, request_id, payload = await _accept(request)
+async def chat_completions(gateway: Gateway, request_id: str, payload: dict[str, Any]) -> Response:
     payload = await gateway.chat_request(payload)
     return await _forward(gateway, "/v1/chat/completions", payload, request_id)
 
 
-async def completions(request: Request) -> Response:
-    gateway, request_id, payload = await _accept(request)
+async def completions(gateway: Gateway, request_id: str, payload: dict[str, Any]) -> Response:
     gateway.check_generation_limits(payload)
     return await _forward(gateway, "/v1/completions", payload, request_id)
 
@@ -115,14 +110,30 @@ async def _forward(
     return await gateway.backend.forward(path, payload, model, stream, request_id)
 
 
-Endpoint = Callable[[Request], Awaitable[Response]]
+Endpoint = Callable[[Gateway, str, dict[str, Any]], Awaitable[Response]]
 
+# The hot routes (POST only): answered by ``InferenceFastPath`` on any ASGI server, and
+# without ASGI at all by ``hot_protocol`` under ``gateway serve``.
 HOT_ROUTES: dict[str, Endpoint] = {
     "/v1/chat/completions": chat_completions,
     "/v1/completions": completions,
 }
-for _path, _endpoint in HOT_ROUTES.items():
-    router.add_route(_path, _endpoint, methods=["POST"])
+
+
+def _asgi_route(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+    async def route(request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        request_id = admit(gateway, request)
+        payload = await read_json_object(request, gateway.settings.max_body_bytes)
+        return await endpoint(gateway, request_id, payload)
+
+    route.__name__ = endpoint.__name__
+    return route
+
+
+ASGI_ROUTES = {path: _asgi_route(endpoint) for path, endpoint in HOT_ROUTES.items()}
+for _path, _route in ASGI_ROUTES.items():
+    router.add_route(_path, _route, methods=["POST"])
 
 
 class InferenceFastPath:
@@ -139,7 +150,7 @@ class InferenceFastPath:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = None
         if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = HOT_ROUTES.get(route_path(scope))
+            endpoint = ASGI_ROUTES.get(route_path(scope))
         if endpoint is None:
             await self.app(scope, receive, send)
             return

@@ -9,11 +9,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
-from starlette.responses import Response
 
 from loragate.bench.fake_engine import FakeEngine, start_server
 from loragate.gateway.app import create_app
@@ -24,9 +22,9 @@ from loragate.gateway.metrics import (
     RequestObservation,
     RequestObserver,
 )
-from loragate.gateway.proxy import ProxyClient
 from loragate.settings import Settings
 from loragate.supervisor.states import EngineState
+from tests.backend_double import ProxiedBackend
 
 ADMIN = "admin-key"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -43,44 +41,6 @@ def parse(text: str) -> Samples:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
-
-
-class ProxiedBackend:
-    """A GatewayBackend that sends requests to a fake engine through the real ProxyClient."""
-
-    def __init__(
-        self, base_url: str, models: list[str], supervisor: Any = None, manager: Any = None
-    ) -> None:
-        self.base_url = base_url
-        self.models = models
-        self.supervisor = supervisor
-        self.manager = manager
-        self.proxy = ProxyClient()
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        await self.proxy.aclose()
-
-    def model_ids(self) -> list[str]:
-        return self.models
-
-    def health(self) -> tuple[bool, dict[str, Any]]:
-        return True, {"status": "ok"}
-
-    async def forward(
-        self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
-    ) -> Response:
-        return await self.proxy.forward(
-            self.base_url + path,
-            orjson.dumps(payload),
-            {"Content-Type": "application/json", "X-Request-Id": request_id},
-            stream=stream,
-            rename=None,
-            on_done=lambda: None,
-            response_headers={"X-Request-ID": request_id},
-        )
 
 
 @pytest_asyncio.fixture(loop_scope="function")

@@ -1,0 +1,250 @@
+"""The inference POSTs, answered on uvicorn's own connections without the ASGI machinery.
+
+``gateway serve`` runs uvicorn with ``hot_protocol(gateway)`` as its HTTP protocol: uvicorn's
+httptools protocol, unchanged for every request but ``POST /v1/chat/completions`` and
+``POST /v1/completions``. Those two are what every client waits on, and on them ASGI costs
+more than the gateway's own work: a scope and message dicts, a Starlette request, three
+middleware wrappers, header validation per response header, and two socket writes per answer
+(head, then body), so the client wakes twice. Here the endpoint gets the parsed headers and
+the body, and a complete answer leaves in one write, head and body together, before any
+bookkeeping (metrics, access log) is done.
+
+Everything HTTP stays uvicorn's: parsing, keep-alive and its timeout, pipelining, flow
+control, ``Expect: 100-continue``, graceful shutdown. This module only replaces the task
+uvicorn starts per request (``_start_asgi_task``) for the hot routes, and drives the same
+``RequestResponseCycle`` uvicorn made for it. It is used only with CORS off (CORS headers
+come from the ASGI middleware); every other route, and any ASGI server, goes through the app.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any, cast
+
+from starlette.responses import Response
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
+
+from loragate.gateway import routes_inference
+from loragate.gateway.errors import OpenAIError
+from loragate.gateway.metrics import RequestObservation, current_observation, log_access
+from loragate.gateway.proxy import _RelayResponse
+from loragate.gateway.request_body import check_declared_length, parse_json_object, too_large
+from loragate.gateway.runtime import Gateway
+from loragate.gateway.security_headers import SECURITY_HEADERS
+
+log = logging.getLogger("loragate.gateway")
+
+_SECURITY_LINES = b"".join(name + b": " + value + b"\r\n" for name, value in SECURITY_HEADERS)
+_STREAM_END = b"0\r\n\r\n"
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before its request body arrived."""
+
+
+class HotRequest:
+    """A hot request's headers, names lower-cased as uvicorn gives them (the first one wins)."""
+
+    __slots__ = ("headers",)
+
+    def __init__(self, raw: Iterable[tuple[bytes, bytes]]) -> None:
+        headers: dict[str, str] = {}
+        for name, value in raw:
+            key = name.decode("latin-1")
+            if key not in headers:
+                headers[key] = value.decode("latin-1")
+        self.headers = headers
+
+
+def hot_protocol(gateway: Gateway) -> type[HttpToolsProtocol]:
+    """uvicorn's ``http`` protocol class for this gateway (pass it as ``uvicorn.run(http=...)``)."""
+    return type("HotRouteProtocol", (HotRouteProtocol,), {"gateway": gateway})
+
+
+class HotRouteProtocol(HttpToolsProtocol):
+    gateway: Gateway
+    _relaying: _RelayResponse | None = None
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        scope = cycle.scope
+        endpoint = None
+        # `app is self.app`: uvicorn swaps in its own 503 app past --limit-concurrency.
+        if scope["method"] == "POST" and app is self.app:
+            endpoint = routes_inference.HOT_ROUTES.get(scope["path"])
+        if endpoint is None:
+            super()._start_asgi_task(cycle, app)
+            return
+        task = self.loop.create_task(self._answer(cycle, scope["path"], endpoint))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        relaying = self._relaying
+        if relaying is not None:
+            relaying.abort()  # the engine stops generating for a client that left
+        super().connection_lost(exc)
+
+    # ----- one request --------------------------------------------------------------------
+
+    async def _answer(
+        self, cycle: RequestResponseCycle, route: str, endpoint: routes_inference.Endpoint
+    ) -> None:
+        gateway = self.gateway
+        metrics = gateway.metrics
+        clock = time.perf_counter
+        observation = RequestObservation(clock())
+        token = current_observation.set(observation)
+        metrics.in_flight += 1
+        try:
+            try:
+                response = await self._respond(cycle, endpoint)
+            except OpenAIError as exc:
+                response = exc.response()
+            observation.status = response.status_code
+            if isinstance(response, _RelayResponse):
+                await self._relay(cycle, response, observation)
+            elif type(response).__call__ is Response.__call__ and response.background is None:
+                # Stamped before the write: the client it wakes may run before this task does.
+                observation.first_byte = observation.finished = clock()
+                body = bytes(response.body)
+                self._write_whole(cycle, response.status_code, response.raw_headers, body)
+            else:  # a custom backend's own response type: let it drive the ASGI cycle
+                scope = cast(dict[str, Any], cycle.scope)
+                await response(scope, cast(Any, cycle.receive), _observed_send(cycle, observation))
+        except _ClientGone:
+            observation.status = 499  # nginx's "client closed request"
+        except Exception:
+            log.exception("the gateway failed answering %s", route)
+            observation.status = 500
+            if not cycle.response_started and not cycle.disconnected:
+                error = OpenAIError(500, "the gateway failed answering; see its log").response()
+                self._write_whole(cycle, 500, error.raw_headers, bytes(error.body))
+            else:
+                cycle.transport.close()
+        finally:
+            metrics.in_flight -= 1
+            current_observation.reset(token)
+            ended = observation.finished or clock()
+            metrics.record(route, observation, ended)
+            if gateway.settings.access_log:
+                log_access(cast(dict[str, Any], cycle.scope), observation, ended)
+
+    async def _respond(
+        self, cycle: RequestResponseCycle, endpoint: routes_inference.Endpoint
+    ) -> Response:
+        gateway = self.gateway
+        request = HotRequest(cycle.scope["headers"])
+        request_id = routes_inference.admit(gateway, request)
+        max_bytes = gateway.settings.max_body_bytes
+        check_declared_length(request.headers.get("content-length"), max_bytes)
+        payload = parse_json_object(await _read_body(cycle, max_bytes))
+        return await endpoint(gateway, request_id, payload)
+
+    # ----- writing answers ----------------------------------------------------------------
+
+    def _head(
+        self, cycle: RequestResponseCycle, status: int, headers: list[tuple[bytes, bytes]]
+    ) -> list[bytes]:
+        parts = [STATUS_LINE[status]]
+        for name, value in cycle.default_headers:  # uvicorn's date and server headers
+            parts += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts.append(_SECURITY_LINES)
+        if not cycle.keep_alive:
+            parts.append(b"connection: close\r\n")
+        return parts
+
+    def _write_whole(
+        self,
+        cycle: RequestResponseCycle,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> None:
+        """Head and body in one write: the client wakes once, to a complete answer."""
+        cycle.response_started = True
+        if cycle.disconnected:
+            return
+        parts = self._head(cycle, status, headers)
+        parts += (b"\r\n", body)
+        cycle.transport.write(b"".join(parts))
+        _complete(cycle)
+
+    async def _relay(
+        self, cycle: RequestResponseCycle, response: _RelayResponse, observation: Any
+    ) -> None:
+        """Pass a stream on as it comes, chunked; the head goes out at once, as the engine's did."""
+        cycle.response_started = True
+        transport, flow = cycle.transport, cycle.flow
+        self._relaying = response
+        try:
+            if cycle.disconnected:
+                return
+            parts = self._head(cycle, 200, response.raw_headers)
+            parts.append(b"transfer-encoding: chunked\r\n\r\n")
+            transport.write(b"".join(parts))
+            while (chunk := await response.read()) is not None:
+                if cycle.disconnected:
+                    return
+                if flow.write_paused:
+                    await flow.drain()
+                if not observation.first_byte:
+                    observation.first_byte = time.perf_counter()
+                transport.write(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+            if cycle.disconnected:
+                return
+            observation.finished = time.perf_counter()
+            transport.write(_STREAM_END)
+            _complete(cycle)
+        finally:
+            self._relaying = None
+            response.close()
+
+
+def _complete(cycle: RequestResponseCycle) -> None:
+    """What uvicorn does once a response is sent: close or arm keep-alive, start the next."""
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not cycle.keep_alive:
+        cycle.transport.close()
+    cycle.on_response()
+
+
+async def _read_body(cycle: RequestResponseCycle, max_bytes: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message: Any = await cycle.receive()  # handles 100-continue and flow control
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message["body"]
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large(max_bytes)
+        chunks.append(chunk)
+        if not message["more_body"]:
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _observed_send(cycle: RequestResponseCycle, observation: RequestObservation) -> Any:
+    async def send(message: Any) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            observation.status = message["status"]
+            message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
+        elif kind == "http.response.body":
+            now = time.perf_counter()
+            if not observation.first_byte and message.get("body"):
+                observation.first_byte = now
+            if not message.get("more_body", False):
+                observation.finished = now
+        await cycle.send(message)
+
+    return send
