@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import http.client
 import io
+import logging
 import socket
 import threading
 import time
@@ -438,3 +439,24 @@ def test_hot_requests_are_counted_by_model_and_status(tmp_path: Path, hot_calls:
         ("unknown", "401"): 1,
     }
     assert len(hot_calls) == 5
+
+
+def test_access_log_lines_name_each_hot_request(
+    tmp_path: Path, hot_calls: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="loragate.access")
+    app = gateway_app(tmp_path, RecordingBackend(), access_log=True)
+    with serving(app, as_served=True) as url, httpx.Client(base_url=url, timeout=10) as client:
+        headers = {**AUTH, "X-Request-ID": "logged-1"}
+        assert client.post("/v1/chat/completions", json=chat(), headers=headers).is_success
+        assert (
+            client.post("/v1/chat/completions", json=chat("nope"), headers=AUTH).status_code == 404
+        )
+    records = [r for r in caplog.records if r.name == "loragate.access"]
+    fields = [
+        (r.__dict__["request_id"], r.__dict__["model"], r.__dict__["status"]) for r in records
+    ]
+    assert fields[0] == ("logged-1", "pong", 200)
+    assert fields[1][1:] == (None, 404)
+    assert "POST /v1/chat/completions 200 model=pong request_id=logged-1" in records[0].getMessage()
+    assert len(hot_calls) == 2
