@@ -180,7 +180,8 @@ class HotRouteProtocol(HttpToolsProtocol):
     async def _relay(
         self, cycle: RequestResponseCycle, response: _RelayResponse, observation: Any
     ) -> None:
-        """Pass a stream on as it comes, chunked; the head goes out at once, as the engine's did."""
+        """Pass a stream on as it comes, chunked: the head at once (as the engine sent its own),
+        then each chunk straight from the upstream connection's callback (``pipe``)."""
         cycle.response_started = True
         transport, flow = cycle.transport, cycle.flow
         self._relaying = response
@@ -190,14 +191,17 @@ class HotRouteProtocol(HttpToolsProtocol):
             parts = self._head(cycle, 200, response.raw_headers)
             parts.append(b"transfer-encoding: chunked\r\n\r\n")
             transport.write(b"".join(parts))
-            while (chunk := await response.read()) is not None:
+
+            def write(chunk: bytes) -> None:
                 if cycle.disconnected:
                     return
-                if flow.write_paused:
-                    await flow.drain()
                 if not observation.first_byte:
                     observation.first_byte = time.perf_counter()
                 transport.write(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+                if flow.write_paused:
+                    response.hold()  # until the client catches up (resume_writing)
+
+            await response.pipe(write)
             if cycle.disconnected:
                 return
             observation.finished = time.perf_counter()
@@ -206,6 +210,12 @@ class HotRouteProtocol(HttpToolsProtocol):
         finally:
             self._relaying = None
             response.close()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        relaying = self._relaying
+        if relaying is not None:
+            relaying.release()
 
 
 def _complete(cycle: RequestResponseCycle) -> None:

@@ -94,6 +94,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], None] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -156,6 +157,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self._sink is not None:
+            self._sink(body)
+            return
         self._body.append(body)
         self._buffered += len(body)
         if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
@@ -174,6 +178,7 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes) -> None:
         assert self.transport is not None
         self._reset()
+        self._sink = None
         self.exchanges += 1
         self.transport.write(data)
 
@@ -201,6 +206,33 @@ class _Connection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
         return chunk
+
+    def relay_to(self, sink: Callable[[bytes], None] | None) -> None:
+        """Hand body bytes to ``sink`` as they arrive, from the parser's callback: no
+        buffering and no task to wake per chunk. What arrived before goes to it first."""
+        if sink is not None and self._body:
+            early = b"".join(self._body)
+            self._body.clear()
+            self._buffered = 0
+            sink(early)
+        self._sink = sink
+        self.release()
+
+    async def finished(self) -> None:
+        """Wait for the end of the body (relayed to a sink meanwhile)."""
+        while not self.complete:
+            await self._wait()
+
+    def hold(self) -> None:
+        """Stop reading the upstream socket (TCP back-pressure) until ``release``."""
+        if not self._paused and not self.closed and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def release(self) -> None:
+        if self._paused and not self.closed and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
 
     @property
     def reusable(self) -> bool:
@@ -506,36 +538,74 @@ class _RelayResponse(Response):
         """
         if self._ended:
             return None
-        rename = self._rename
         try:
             while True:
                 chunk = await self._conn.next_chunk()
                 if chunk is None:
                     self._end()
-                    tail, self._pending = self._pending, b""
-                    if not tail:
-                        return None
-                    return rename.model_field(tail) if rename is not None else tail
-                if rename is None:
+                    return self._tail() or None
+                chunk = self._renamed(chunk)
+                if chunk:
                     return chunk
-                # Rewrite whole events only: a chunk may end in the middle of one.
-                if self._pending:
-                    chunk, self._pending = self._pending + chunk, b""
-                if not chunk.endswith(_EVENT_END):
-                    cut = chunk.rfind(_EVENT_END)
-                    if cut < 0:
-                        self._pending = chunk
-                        continue
-                    cut += len(_EVENT_END)
-                    chunk, self._pending = chunk[:cut], chunk[cut:]
-                return rename.model_field(chunk)
         except UpstreamBroken:
             self._end()
-            return error_event(
-                "the engine stopped while streaming this answer; it is being restarted, "
-                "retry the request",
-                code="engine_stream_interrupted",
-            )
+            return _stream_broken()
+
+    async def pipe(self, write: Callable[[bytes], None]) -> None:
+        """Pass the whole stream to ``write``, called from the upstream connection's callbacks
+        as each chunk arrives (no task wakes per chunk); returns once the stream has ended.
+
+        ``hold`` and ``release`` pause and resume the upstream meanwhile (back-pressure).
+        """
+        conn = self._conn
+
+        def sink(chunk: bytes) -> None:
+            chunk = self._renamed(chunk)
+            if chunk:
+                write(chunk)
+
+        try:
+            conn.relay_to(sink)
+            await conn.finished()
+        except UpstreamBroken:
+            self._end()
+            write(_stream_broken())
+            return
+        finally:
+            conn.relay_to(None)
+        self._end()
+        tail = self._tail()
+        if tail:
+            write(tail)
+
+    def _renamed(self, chunk: bytes) -> bytes:
+        """``chunk`` with the model renamed; whole events only (a chunk may end in the middle
+        of one: the rest waits in ``_pending`` for the next)."""
+        rename = self._rename
+        if rename is None:
+            return chunk
+        if self._pending:
+            chunk, self._pending = self._pending + chunk, b""
+        if not chunk.endswith(_EVENT_END):
+            cut = chunk.rfind(_EVENT_END)
+            if cut < 0:
+                self._pending = chunk
+                return b""
+            cut += len(_EVENT_END)
+            chunk, self._pending = chunk[:cut], chunk[cut:]
+        return rename.model_field(chunk)
+
+    def _tail(self) -> bytes:
+        tail, self._pending = self._pending, b""
+        if tail and self._rename is not None:
+            return self._rename.model_field(tail)
+        return tail
+
+    def hold(self) -> None:
+        self._conn.hold()
+
+    def release(self) -> None:
+        self._conn.release()
 
     def _end(self) -> None:
         self._ended = True
@@ -581,6 +651,13 @@ class _RelayResponse(Response):
             self._conn.abort()
             with contextlib.suppress(Exception):
                 on_done()
+
+
+def _stream_broken() -> bytes:
+    return error_event(
+        "the engine stopped while streaming this answer; it is being restarted, retry the request",
+        code="engine_stream_interrupted",
+    )
 
 
 async def fetch(

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import Response, StreamingResponse
 
 from loragate.bench.fake_engine import FakeEngine, start_server
-from loragate.gateway import hot_protocol
+from loragate.gateway import hot_protocol, proxy
 from loragate.gateway.app import create_app
 from loragate.gateway.runtime import server_options
 from loragate.settings import Settings
@@ -102,9 +102,15 @@ def read_response(shared: _SharedFile) -> tuple[int, dict[str, str], bytes]:
 
 
 @contextlib.contextmanager
-def connection(url: str) -> Iterator[tuple[socket.socket, _SharedFile]]:
+def connection(
+    url: str, receive_buffer: int | None = None
+) -> Iterator[tuple[socket.socket, _SharedFile]]:
     host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    with socket.socket() as sock:
+        sock.settimeout(10)
+        if receive_buffer is not None:  # before connecting, so the window stays small
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        sock.connect((host, int(port)))
         shared = _SharedFile(sock)
         try:
             yield sock, shared
@@ -460,3 +466,33 @@ def test_access_log_lines_name_each_hot_request(
     assert fields[1][1:] == (None, 404)
     assert "POST /v1/chat/completions 200 model=pong request_id=logged-1" in records[0].getMessage()
     assert len(hot_calls) == 2
+
+
+def test_a_slow_reader_gets_a_long_stream_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine writes 20,000 events (4 MB) at once; the client reads none for a while, then all.
+
+    The relay stops reading the engine while the client's socket is full and goes on when it
+    drains (back-pressure), and nothing is lost or reordered on the way.
+    """
+    holds: list[bool] = []
+    hold = proxy._Connection.hold
+
+    def counted_hold(self: proxy._Connection) -> None:
+        holds.append(True)
+        hold(self)
+
+    monkeypatch.setattr(proxy._Connection, "hold", counted_hold)
+    engine = FakeEngine(api_key=None, models=["base"])
+    with fake_engine(engine) as engine_url:
+        app = gateway_app(tmp_path, ProxiedBackend(engine_url, ["base"]))
+        with serving(app, as_served=True) as url, connection(url, 4096) as (sock, shared):
+            body = orjson.dumps(chat("base", stream=True, max_tokens=20_000))
+            sock.sendall(raw_request("POST", "/v1/chat/completions", body))
+            time.sleep(1.0)
+            status, _, content = read_response(shared)
+    events = [e for e in content.split(b"\n\n") if e.startswith(b"data: ")]
+    assert status == 200 and len(events) == 20_001 and events[-1] == b"data: [DONE]"
+    assert all(orjson.loads(e[6:])["model"] == "base" for e in events[:-1])
+    assert holds  # the engine was paused at least once

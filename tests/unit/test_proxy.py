@@ -11,7 +11,13 @@ import pytest
 from starlette.responses import Response
 
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable, fetch
+from loragate.gateway.proxy import (
+    ProxyClient,
+    Rename,
+    UpstreamUnreachable,
+    _RelayResponse,
+    fetch,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
@@ -214,20 +220,41 @@ async def test_an_answer_cut_short_is_a_503_and_not_resent() -> None:
     assert done.calls == 1
 
 
+EVENT = b'data: {"model":"engine@1","choices":[{"delta":{"content":"hi"}}]}\n\n'
+
+
+async def split_events(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+    """One event cut in two across chunks, then another and the end in one chunk."""
+    await read_request(reader)
+    writer.write(SSE_HEAD + chunk(EVENT[:20]))
+    await writer.drain()
+    await asyncio.sleep(0.01)
+    writer.write(chunk(EVENT[20:] + EVENT) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+    await writer.drain()
+    await read_request(reader)
+
+
+async def die_mid_stream(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+) -> None:
+    await read_request(reader)
+    writer.write(SSE_HEAD + chunk(b'data: {"model":"engine@1"}\n\n'))
+    await writer.drain()
+    writer.transport.abort()
+
+
+async def piped(response: Response) -> list[bytes]:
+    """Run a streamed response as the hot-route protocol does: ``pipe``, then ``close``."""
+    assert isinstance(response, _RelayResponse)
+    written: list[bytes] = []
+    try:
+        await response.pipe(written.append)
+    finally:
+        response.close()
+    return written
+
+
 async def test_streams_are_relayed_event_by_event_with_the_model_renamed_across_chunks() -> None:
-    event = b'data: {"model":"engine@1","choices":[{"delta":{"content":"hi"}}]}\n\n'
-
-    async def split_events(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
-    ) -> None:
-        await read_request(reader)
-        writer.write(SSE_HEAD + chunk(event[:20]))
-        await writer.drain()
-        await asyncio.sleep(0.01)
-        writer.write(chunk(event[20:] + event) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-        await writer.drain()
-        await read_request(reader)
-
     client, done = ProxyClient(), Done()
     async with Upstream(split_events).running() as upstream:
         response = await forward(client, upstream.url, done, stream=True)
@@ -235,29 +262,37 @@ async def test_streams_are_relayed_event_by_event_with_the_model_renamed_across_
         messages = await relay(response)
         await client.aclose()
     assert messages[0]["type"] == "http.response.start" and messages[0]["status"] == 200
-    assert body_of(messages) == (event * 2 + b"data: [DONE]\n\n").replace(b"engine@1", b"public")
+    assert body_of(messages) == (EVENT * 2 + b"data: [DONE]\n\n").replace(b"engine@1", b"public")
     assert messages[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
     assert done.calls == 1
 
 
-async def test_an_engine_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
-    async def die_mid_stream(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
-    ) -> None:
-        await read_request(reader)
-        writer.write(SSE_HEAD + chunk(b'data: {"model":"engine@1"}\n\n'))
-        await writer.drain()
-        writer.transport.abort()
-
+async def test_piped_streams_pass_whole_events_renamed_and_keep_the_connection() -> None:
     client, done = ProxyClient(), Done()
-    async with Upstream(die_mid_stream).running() as upstream:
+    async with Upstream(split_events).running() as upstream:
         response = await forward(client, upstream.url, done, stream=True)
-        body = body_of(await relay(response))
-    first, error, end = body.split(b"\n\n", 2)
-    assert first == b'data: {"model":"public"}'
-    assert b'"code":"engine_stream_interrupted"' in error
-    assert end == b"data: [DONE]\n\n"
+        written = await piped(response)
+        idle = sum(len(stack) for stack in client._pool._idle.values())
+        await client.aclose()
+    renamed = EVENT.replace(b"engine@1", b"public")
+    # One write per upstream chunk, each ending where an event ends (never half an event).
+    assert written == [renamed * 2, b"data: [DONE]\n\n"]
     assert done.calls == 1
+    assert idle == 1  # the finished connection went back to the pool
+
+
+async def test_an_engine_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    for run in (relay, piped):
+        client, done = ProxyClient(), Done()
+        async with Upstream(die_mid_stream).running() as upstream:
+            response = await forward(client, upstream.url, done, stream=True)
+            sent = await run(response)
+        body = b"".join(sent) if run is piped else body_of(sent)  # type: ignore[arg-type]
+        first, error, end = body.split(b"\n\n", 2)
+        assert first == b'data: {"model":"public"}'
+        assert b'"code":"engine_stream_interrupted"' in error
+        assert end == b"data: [DONE]\n\n"
+        assert done.calls == 1
 
 
 async def test_a_client_leaving_mid_stream_cuts_the_upstream_connection() -> None:
