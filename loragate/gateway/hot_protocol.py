@@ -18,6 +18,7 @@ come from the ASGI middleware); every other route, and any ASGI server, goes thr
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Iterable
@@ -60,6 +61,28 @@ class HotRequest:
             if key not in headers:
                 headers[key] = value.decode("latin-1")
         self.headers = headers
+
+
+_CYCLE_PARTS = {
+    "transport",
+    "flow",
+    "default_headers",
+    "message_event",
+    "keep_alive",
+    "on_response",
+}
+
+
+def fits_this_uvicorn() -> bool:
+    """Whether the installed uvicorn has the protocol internals this module builds on.
+
+    It subclasses uvicorn's httptools protocol and drives its request cycle, which are not
+    public API; with a uvicorn that changed them, ``gateway serve`` keeps plain ASGI (slower,
+    never wrong) and says so in its log.
+    """
+    parameters = set(inspect.signature(RequestResponseCycle.__init__).parameters)
+    starts_tasks = callable(getattr(HttpToolsProtocol, "_start_asgi_task", None))
+    return starts_tasks and parameters.issuperset(_CYCLE_PARTS)
 
 
 def hot_protocol(gateway: Gateway) -> type[HttpToolsProtocol]:

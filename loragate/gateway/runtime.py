@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import time
 from typing import Any
 
@@ -66,7 +67,13 @@ def server_options(app: Any = None) -> dict[str, Any]:
         options["http"] = "httptools"
         gateway = getattr(getattr(app, "state", None), "gateway", None)
         if isinstance(gateway, Gateway) and getattr(app, "fast_path", None) is not None:
-            from loragate.gateway.hot_protocol import hot_protocol
+            from loragate.gateway.hot_protocol import fits_this_uvicorn, hot_protocol
 
-            options["http"] = hot_protocol(gateway)
+            if fits_this_uvicorn():
+                options["http"] = hot_protocol(gateway)
+            else:
+                logging.getLogger("loragate.gateway").warning(
+                    "this uvicorn's HTTP protocol differs from the one loragate's hot path was "
+                    "built on; serving every route through ASGI (slower, same answers)"
+                )
     return options

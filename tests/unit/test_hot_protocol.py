@@ -176,6 +176,11 @@ def test_answers_carry_the_request_id_and_security_headers(
     assert hot_calls == ["/v1/chat/completions"]
 
 
+def test_the_installed_uvicorn_has_what_the_hot_path_builds_on() -> None:
+    # If a uvicorn upgrade fails this, gateway serve falls back to ASGI: look before pinning.
+    assert hot_protocol.fits_this_uvicorn()
+
+
 def test_cors_keeps_every_route_on_the_asgi_path(tmp_path: Path) -> None:
     plain = gateway_app(tmp_path / "a", RecordingBackend())
     with_cors = gateway_app(tmp_path / "b", RecordingBackend(), cors_origins=["https://x"])
