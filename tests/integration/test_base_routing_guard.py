@@ -44,12 +44,17 @@ def test_cpu_build_hands_unguarded_base_requests_another_adapters_weights(
         process.wait_ready()
         jobs = [(model, i) for i in range(4) for model in ("loragate-demo", "pong", "fox", "owl")]
         borrowed = 0
-        for _ in range(3):
+        # Whether a base request shares a batch with the adapter in the last slot depends on
+        # how the requests happen to meet in the engine: burst until one does (usually the
+        # first burst; a build with the fix never does).
+        for _ in range(10):
             with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
                 answers = list(pool.map(lambda job: ask(process.url, *job), jobs))
             borrowed += sum(
                 1 for model, text in answers if model == "loragate-demo" and phrase_of(text)
             )
+            if borrowed:
+                break
     finally:
         process.stop()
     assert borrowed > 0, (
