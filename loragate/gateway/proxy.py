@@ -443,19 +443,10 @@ class ProxyClient:
                     # ...unless nothing listens any more: the engine died, taking whatever the
                     # first attempt started with it (generation has no side effects), so the
                     # backend may wait for the restart and send it again.
-                    unreachable = UpstreamUnreachable(
-                        503,
-                        "the engine is not reachable; retry shortly",
-                        code="engine_unavailable",
-                        headers={"Retry-After": "5"},
-                    )
-                    unreachable.maybe_delivered = True
-                    raise unreachable from exc
+                    raise _died() from exc
                 except OSError as exc:
                     raise UpstreamBroken(f"the upstream went away: {exc}") from exc
-                conn.send(request)
-                await conn.head()
-                return conn
+                return await self._first_answer(conn, request)
         try:
             conn = await self._pool.connect(target.origin)
         except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as exc:
@@ -472,13 +463,37 @@ class ProxyClient:
                 code="engine_unavailable",
                 headers={"Retry-After": "5"},
             ) from exc
+        return await self._first_answer(conn, request)
+
+    async def _first_answer(self, conn: _Connection, request: bytes) -> _Connection:
+        """Send ``request`` on a new connection and wait for the answer's head."""
         conn.send(request)
         try:
             await conn.head()
+        except UpstreamBroken as exc:
+            conn.abort()
+            if conn.got_bytes:
+                raise
+            # A new connection cut before a byte of answer: the engine is dying (its listener
+            # took the connection just before going). Like a refused one, but the request may
+            # have reached the engine, so the backend resends it at most once.
+            raise _died() from exc
         except BaseException:
             conn.abort()
             raise
         return conn
+
+
+def _died() -> UpstreamUnreachable:
+    """The engine went away with this request maybe delivered to it."""
+    unreachable = UpstreamUnreachable(
+        503,
+        "the engine is not reachable; retry shortly",
+        code="engine_unavailable",
+        headers={"Retry-After": "5"},
+    )
+    unreachable.maybe_delivered = True
+    return unreachable
 
 
 class _Answer(Response):

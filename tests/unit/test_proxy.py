@@ -202,6 +202,25 @@ async def test_a_kept_alive_connection_lost_with_the_upstream_may_have_delivered
     await client.aclose()
 
 
+async def test_a_new_connection_cut_before_any_answer_may_have_delivered() -> None:
+    """A dying engine's listener takes the connection, then it goes without a byte of answer:
+    resendable (the engine is going away), flagged as possibly delivered."""
+
+    async def take_then_die(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+    ) -> None:
+        await read_request(reader)
+        writer.transport.abort()
+
+    client, done = ProxyClient(), Done()
+    async with Upstream(take_then_die).running() as upstream:
+        with pytest.raises(UpstreamUnreachable) as caught:
+            await forward(client, upstream.url, done)
+        await client.aclose()
+    assert caught.value.maybe_delivered and caught.value.status == 503
+    assert done.calls == 1
+
+
 async def test_an_answer_cut_short_is_a_503_and_not_resent() -> None:
     async def half_an_answer(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
