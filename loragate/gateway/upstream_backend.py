@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
 import orjson
 from starlette.responses import Response
 
+from loragate import plain_http
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import ProxyClient, Rename
 from loragate.settings import Settings
@@ -29,8 +31,8 @@ log = logging.getLogger("loragate.gateway")
 def split_upstream_url(url: str) -> tuple[str, str]:
     """(API base ending in /v1, server root) for an upstream URL given with or without /v1."""
     trimmed = url.strip().rstrip("/")
-    parsed = httpx.URL(trimmed)
-    if parsed.scheme not in ("http", "https") or not parsed.host:
+    parsed = urlsplit(trimmed)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ValueError(
             f"--upstream-url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}"
         )
@@ -51,7 +53,7 @@ class UpstreamBackend:
             if settings.upstream_api_key
             else {}
         )
-        self._http = httpx.AsyncClient(timeout=settings.probe_timeout, headers=self._headers)
+        self._timeout = settings.probe_timeout
         self.proxy = ProxyClient()
         self._upstream_ids: list[str] = []
         self._ready = False
@@ -71,7 +73,6 @@ class UpstreamBackend:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
-        await self._http.aclose()
         await self.proxy.aclose()
 
     async def _watch(self) -> None:
@@ -81,31 +82,31 @@ class UpstreamBackend:
 
     async def refresh(self) -> None:
         """Ask the upstream for its models and health; keeps the last known models on failure."""
+        ask = functools.partial(plain_http.request, "GET", timeout=self._timeout)
         try:
-            models = await self._http.get(self.api_base + "/models")
-            health = await self._http.get(self.root + "/health")
-        except httpx.HTTPError as exc:
-            self._ready, self._reason = (
-                False,
-                f"upstream {self.api_base} unreachable: {type(exc).__name__}",
-            )
+            models = await ask(self.api_base + "/models", headers=self._headers)
+            health = await ask(self.root + "/health", headers=self._headers)
+        except plain_http.PlainHTTPError as exc:
+            self._ready, self._reason = False, f"upstream {self.api_base} unreachable: {exc}"
             return
-        if models.status_code != 200:
+        if models.status != 200:
             self._ready = False
-            self._reason = f"upstream {self.api_base}/models answered {models.status_code}: {models.text[:200]}"
+            self._reason = (
+                f"upstream {self.api_base}/models answered {models.status}: {models.text[:200]}"
+            )
             return
         try:
             self._upstream_ids = _model_ids(models.json())
         except ValueError as exc:
             self._ready, self._reason = False, f"upstream {self.api_base}/models: {exc}"
             return
-        if health.status_code in (404, 405):  # no /health route: answering /v1/models is healthy
+        if health.status in (404, 405):  # no /health route: answering /v1/models is healthy
             self._ready, self._reason = bool(self._upstream_ids), "upstream lists no models"
-        elif health.status_code == 200:
+        elif health.status == 200:
             self._ready, self._reason = True, ""
         else:
             self._ready = False
-            self._reason = f"upstream /health answered {health.status_code}: {health.text[:200]}"
+            self._reason = f"upstream /health answered {health.status}: {health.text[:200]}"
 
     # ----- names ----------------------------------------------------------------------------
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 
+from loragate import plain_http
 from loragate.supervisor.engine_command import EngineSpec, engine_argv, engine_env, redacted
 from loragate.supervisor.engine_log import open_engine_log, tail_lines
 from loragate.supervisor.pidfile import EnginePidFile
@@ -166,7 +166,6 @@ class EngineSupervisor:
         self._restart_requested = asyncio.Event()
         self._controlled_restart = False
         self._life_task: asyncio.Task[None] | None = None
-        self._probe_client: httpx.AsyncClient | None = None
         self._served_name = ""
         self._ready_since: float | None = None
         self.waiting = 0
@@ -203,7 +202,6 @@ class EngineSupervisor:
     async def start(self) -> None:
         """End a stale engine left by a previous gateway, then boot in the background."""
         await asyncio.to_thread(self._pidfile.end_stale_engine)
-        self._probe_client = httpx.AsyncClient(timeout=self.timings.probe_timeout)
         # Starting now, not when the task first runs: a request that arrives at once waits.
         self._transition(EngineState.STARTING, "gateway started")
         self._life_task = asyncio.create_task(self._life(), name="engine-supervisor")
@@ -219,8 +217,6 @@ class EngineSupervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._life_task
         await self._terminate(graceful=True)
-        if self._probe_client is not None:
-            await self._probe_client.aclose()
         self._transition(EngineState.STOPPED, "stopped")
 
     async def restart(self, reason: str = "restart requested by an admin") -> None:
@@ -450,23 +446,28 @@ class EngineSupervisor:
         self._pidfile.clear()
 
     async def _probe(self) -> bool:
-        endpoint, client = self.endpoint, self._probe_client
-        if endpoint is None or client is None:
+        endpoint = self.endpoint
+        if endpoint is None:
             return False
+        timeout = self.timings.probe_timeout
         try:
-            response = await client.get(f"{endpoint.base_url}/health")
-            if response.status_code != 200:
+            response = await plain_http.request(
+                "GET", f"{endpoint.base_url}/health", timeout=timeout
+            )
+            if response.status != 200:
                 return False
             if self.timings.deep_probe and self.state in SERVING:
-                response = await client.post(
+                response = await plain_http.request(
+                    "POST",
                     f"{endpoint.base_url}/v1/completions",
+                    timeout=timeout,
                     headers=endpoint.headers,
                     json={"model": self._served_name, "prompt": "ping", "max_tokens": 1},
                 )
-                return response.status_code == 200
+                return response.status == 200
             return True
-        except httpx.HTTPError as exc:
-            log.debug("health probe failed: %r", exc)
+        except plain_http.PlainHTTPError as exc:
+            log.debug("health probe failed: %s", exc)
             return False
 
     # ----- state --------------------------------------------------------------------------

@@ -1,22 +1,22 @@
-"""The upstream backend: models, health and names from an OpenAI-compatible server (respx)."""
+"""The upstream backend: models, health and names from an OpenAI-compatible server (a local one)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-import httpx
 import pytest
-import respx
 
 from loragate.gateway.upstream_backend import UpstreamBackend, split_upstream_url
 from loragate.settings import Settings
 
-ROOT = "http://upstream.test:9000"
 MODELS = {
     "object": "list",
     "data": [
@@ -26,8 +26,8 @@ MODELS = {
 }
 
 
-def backend(tmp_path: Path, **options: Any) -> UpstreamBackend:
-    return UpstreamBackend(Settings(upstream_url=f"{ROOT}/v1", cache_dir=tmp_path, **options))
+def backend(tmp_path: Path, url: str, **options: Any) -> UpstreamBackend:
+    return UpstreamBackend(Settings(upstream_url=url, cache_dir=tmp_path, **options))
 
 
 def test_upstream_url_is_taken_with_or_without_v1() -> None:
@@ -42,57 +42,13 @@ def test_settings_refuse_an_upstream_url_that_is_not_http(tmp_path: Path) -> Non
         Settings(upstream_url="localhost:8000", cache_dir=tmp_path)
 
 
-@respx.mock
-async def test_models_come_from_the_upstream_base_first(tmp_path: Path) -> None:
-    respx.get(f"{ROOT}/v1/models").respond(json=MODELS)
-    respx.get(f"{ROOT}/health").respond(200)
-    upstream = backend(tmp_path)
-    await upstream.refresh()
-    assert upstream.model_ids() == ["org/base-7b", "lora-a"]
-    assert upstream.health() == (True, {"status": "ok", "models": ["org/base-7b", "lora-a"]})
-    await upstream.stop()
-
-
-@respx.mock
-async def test_health_follows_the_upstream_health_route(tmp_path: Path) -> None:
-    respx.get(f"{ROOT}/v1/models").respond(json=MODELS)
-    respx.get(f"{ROOT}/health").respond(503, json={"status": "starting"})
-    upstream = backend(tmp_path)
-    await upstream.refresh()
-    ready, body = upstream.health()
-    assert not ready and "503" in body["reason"]
-    await upstream.stop()
-
-
-@respx.mock
-async def test_without_a_health_route_answering_models_is_healthy(tmp_path: Path) -> None:
-    respx.get(f"{ROOT}/v1/models").respond(json=MODELS)
-    respx.get(f"{ROOT}/health").respond(404)
-    upstream = backend(tmp_path)
-    await upstream.refresh()
-    assert upstream.health()[0]
-    await upstream.stop()
-
-
-@respx.mock
-async def test_unreachable_upstream_is_not_ready_and_keeps_known_models(tmp_path: Path) -> None:
-    models = respx.get(f"{ROOT}/v1/models").respond(json=MODELS)
-    respx.get(f"{ROOT}/health").respond(200)
-    upstream = backend(tmp_path)
-    await upstream.refresh()
-    models.side_effect = httpx.ConnectError("refused")
-    await upstream.refresh()
-    ready, body = upstream.health()
-    assert not ready and "unreachable" in body["reason"]
-    assert upstream.model_ids() == ["org/base-7b", "lora-a"]
-    await upstream.stop()
-
-
 class FakeUpstream(http.server.BaseHTTPRequestHandler):
     """An OpenAI-compatible server that records what it was sent."""
 
     protocol_version = "HTTP/1.1"
     received: ClassVar[list[tuple[str, dict[str, str], bytes]]] = []
+    models: ClassVar[tuple[int, object]] = (200, MODELS)
+    health: ClassVar[tuple[int, object]] = (200, {})
 
     def _answer(self, status: int, body: object) -> None:
         data = json.dumps(body, separators=(",", ":")).encode()
@@ -103,7 +59,8 @@ class FakeUpstream(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
-        self._answer(200, MODELS if self.path == "/v1/models" else {})
+        self.received.append((self.path, dict(self.headers), b""))
+        self._answer(*(self.models if self.path == "/v1/models" else self.health))
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -115,17 +72,89 @@ class FakeUpstream(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def fake_upstream() -> Iterator[str]:
+@contextlib.contextmanager
+def serving_upstream() -> Iterator[str]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeUpstream)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     FakeUpstream.received.clear()
+    FakeUpstream.models, FakeUpstream.health = (200, MODELS), (200, {})
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def fake_upstream() -> Iterator[str]:
+    with serving_upstream() as url:
+        yield url
+
+
+async def test_models_come_from_the_upstream_base_first(tmp_path: Path, fake_upstream: str) -> None:
+    upstream = backend(tmp_path, fake_upstream, upstream_api_key="sk-up")
+    await upstream.refresh()
+    assert upstream.model_ids() == ["org/base-7b", "lora-a"]
+    assert upstream.health() == (True, {"status": "ok", "models": ["org/base-7b", "lora-a"]})
+    asked = {path: headers.get("Authorization") for path, headers, _ in FakeUpstream.received}
+    assert asked == {"/v1/models": "Bearer sk-up", "/health": "Bearer sk-up"}
+    await upstream.stop()
+
+
+async def test_health_follows_the_upstream_health_route(tmp_path: Path, fake_upstream: str) -> None:
+    FakeUpstream.health = (503, {"status": "starting"})
+    upstream = backend(tmp_path, fake_upstream)
+    await upstream.refresh()
+    ready, body = upstream.health()
+    assert not ready and "503" in body["reason"]
+    await upstream.stop()
+
+
+async def test_without_a_health_route_answering_models_is_healthy(
+    tmp_path: Path, fake_upstream: str
+) -> None:
+    FakeUpstream.health = (404, {"detail": "Not Found"})
+    upstream = backend(tmp_path, fake_upstream)
+    await upstream.refresh()
+    assert upstream.health()[0]
+    await upstream.stop()
+
+
+async def test_a_models_route_that_fails_is_not_ready_with_its_answer(
+    tmp_path: Path, fake_upstream: str
+) -> None:
+    FakeUpstream.models = (401, {"error": {"message": "bad key"}})
+    upstream = backend(tmp_path, fake_upstream)
+    await upstream.refresh()
+    ready, body = upstream.health()
+    assert not ready and "401" in body["reason"] and "bad key" in body["reason"]
+    await upstream.stop()
+
+
+async def test_unreachable_upstream_is_not_ready_and_keeps_known_models(tmp_path: Path) -> None:
+    with serving_upstream() as url:
+        upstream = backend(tmp_path, url)
+        await upstream.refresh()
+    await upstream.refresh()  # the server is gone: its port refuses
+    ready, body = upstream.health()
+    assert not ready and "unreachable" in body["reason"]
+    assert upstream.model_ids() == ["org/base-7b", "lora-a"]
+    await upstream.stop()
+
+
+async def test_an_upstream_that_never_answers_times_out(tmp_path: Path) -> None:
+    with socket.socket() as silent:  # accepts (the kernel does) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+        upstream = backend(tmp_path, url, probe_timeout=0.2)
+        started = time.monotonic()
+        await upstream.refresh()
+        assert time.monotonic() - started < 2
+    ready, body = upstream.health()
+    assert not ready and "within 0.2 s" in body["reason"]
+    await upstream.stop()
 
 
 async def test_model_name_aliases_the_base_model_both_ways(
@@ -140,7 +169,7 @@ async def test_model_name_aliases_the_base_model_both_ways(
     response = await upstream.forward(
         "/v1/chat/completions", {"model": "base", "messages": []}, "base", False, "req-1"
     )
-    [(path, headers, body)] = FakeUpstream.received
+    [(path, headers, body)] = [sent for sent in FakeUpstream.received if sent[2]]
     assert path == "/v1/chat/completions"
     assert json.loads(body)["model"] == "org/base-7b"
     assert headers["Authorization"] == "Bearer sk-up"
