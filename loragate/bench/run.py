@@ -50,6 +50,7 @@ from loragate.bench.targets import (
 )
 
 DIRECT, GATEWAY, NGINX, FLOOR = "direct", "loragate", "nginx", "asgi-floor"
+ZERO = "zero-adapt"
 VLLM_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
 HEADER = f"  {'conc':>4}  {'target':<10} {'n':>6} {'p50':>8} {'p90':>8} {'p99':>8}  {'+p50':>8} {'+p90':>8} {'+p99':>8}"
 
@@ -140,7 +141,8 @@ def parse(argv: list[str] | None) -> Options:
     )
     if args.quick:
         options.rounds_c1, options.rounds, options.ttft_rounds = 40, 3, 10
-        options.block_seconds, options.block_rounds, options.proxy_rounds = 1.0, 1, 300
+        options.block_seconds, options.proxy_rounds = 1.0, 300
+        options.block_rounds = min(options.block_rounds, 1)
     return options
 
 
@@ -343,6 +345,9 @@ class Setup:
     gateway: GatewayServe | UpstreamGateway
     targets: list[Target]
     others: list[Process] = field(default_factory=list)
+    # The engine alone, the base model asked plainly ("direct") and through the zero adapter:
+    # what the CPU build's base-routing guard costs, which the targets above all pay alike.
+    guard: list[Target] = field(default_factory=list)
 
     def stop(self) -> None:
         for process in [*self.others, self.gateway]:
@@ -386,6 +391,11 @@ async def engine_part(report: Report, options: Options, workdir: Path) -> None:
             nginx.wait_ready()
             setup.targets.append(Target(NGINX, "127.0.0.1", nginx.port, direct_model, key))
         throughput_targets = list(setup.targets)
+        if direct_model.startswith("__base__@"):
+            setup.guard = [
+                Target(DIRECT, host, port, public, key),
+                Target(ZERO, host, port, direct_model, key),
+            ]
         if options.floor:
             floor = MinimalProxy(workdir / "floor-engine", port, key)
             setup.others.append(floor)
@@ -458,6 +468,17 @@ async def measure_engine(
     report.goal(
         ttft_added <= 0.001, f"engine: median added TTFT {ttft_added * 1000:.2f} ms (goal <= 1 ms)"
     )
+
+    if setup.guard:
+        report.say("")
+        report.say(
+            "What the base-routing guard costs (CPU build): the engine alone, the base model "
+            "asked plainly (direct) and through the all-zero adapter every target above uses, "
+            "max_tokens=1, concurrency 1 (ms)"
+        )
+        report.say(HEADER)
+        rounds = max(options.rounds_c1 // 2, 10)
+        latency_table(report, await load.interleaved(setup.guard, short, 1, rounds), 1)
 
     report.say("")
     if options.block_rounds < 1:
