@@ -12,6 +12,7 @@ an idle ``--upstream-url`` one from 2.4% to 1.5%.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ class _Exchange(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._body: list[bytes] = []
         self._size = 0
+        self._head_done = False
+        self._until_close = True  # no Content-Length and not chunked: the body ends at EOF
         self.done: asyncio.Future[PlainResponse] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
 
@@ -60,9 +63,19 @@ class _Exchange(asyncio.Protocol):
             self._fail(PlainHTTPError(f"not an HTTP/1.1 answer: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if exc is None and self._head_done and self._until_close:
+            self._finish()
+            return
         self._fail(
             PlainHTTPError(f"the connection closed before the answer ended ({exc or 'EOF'})")
         )
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self._until_close = False
+
+    def on_headers_complete(self) -> None:
+        self._head_done = True
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
@@ -72,6 +85,13 @@ class _Exchange(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if 100 <= self._parser.get_status_code() < 200:  # 100 Continue, 103 Early Hints: more
+            self._body.clear()
+            self._head_done, self._until_close = False, True
+            return
+        self._finish()
+
+    def _finish(self) -> None:
         if not self.done.done():
             status = self._parser.get_status_code()
             self.done.set_result(PlainResponse(status, b"".join(self._body)))
@@ -83,6 +103,11 @@ class _Exchange(asyncio.Protocol):
             self.done.set_exception(error)
         if self.transport is not None:
             self.transport.abort()
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context()  # tens of milliseconds to build: once
 
 
 async def request(
@@ -102,31 +127,35 @@ async def request(
         raise ValueError(f"not an http(s) URL: {url!r}")
     tls = parts.scheme == "https"
     host = parts.hostname
-    port = parts.port or (443 if tls else 80)
+    port = parts.port or (443 if tls else 80)  # a bad port raises ValueError here
+    authority = parts.netloc.rpartition("@")[2]  # no credentials in the Host header
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     body = b"" if json is None else orjson.dumps(json)
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close"]
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {authority}", "Connection: close"]
     lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
     if json is not None:
         lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
     loop = asyncio.get_running_loop()
     exchange: _Exchange | None = None
+    answered = False
     try:
         async with asyncio.timeout(timeout):
             _, exchange = await loop.create_connection(
                 lambda: _Exchange(head + body),
                 host,
                 port,
-                ssl=ssl.create_default_context() if tls else None,
+                ssl=_tls_context() if tls else None,
             )
-            return await exchange.done
+            response = await exchange.done
+            answered = True
+            return response
     except TimeoutError as exc:
         raise PlainHTTPError(f"no answer from {url} within {timeout:g} s") from exc
     except OSError as exc:  # ssl.SSLError included
         raise PlainHTTPError(f"{url} is not reachable: {exc.strerror or exc}") from exc
     finally:
-        if exchange is not None and not exchange.done.done():  # timed out or cancelled
-            exchange.done.cancel()
-            if exchange.transport is not None:
-                exchange.transport.abort()
+        # Timed out or cancelled (which cancels ``done`` too): drop the socket now, not when
+        # the server closes it; a hung engine would otherwise cost a descriptor per probe.
+        if exchange is not None and not answered and exchange.transport is not None:
+            exchange.transport.abort()

@@ -32,7 +32,11 @@ def split_upstream_url(url: str) -> tuple[str, str]:
     """(API base ending in /v1, server root) for an upstream URL given with or without /v1."""
     trimmed = url.strip().rstrip("/")
     parsed = urlsplit(trimmed)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+    try:
+        port_ok = parsed.port is None or parsed.port > 0
+    except ValueError:  # not a number, or past 65535
+        port_ok = False
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or not port_ok:
         raise ValueError(
             f"--upstream-url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}"
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -97,15 +98,49 @@ async def test_a_port_nobody_listens_on_is_not_reachable() -> None:
         await plain_http.request("GET", url + "/health", timeout=5)
 
 
-async def test_a_server_that_never_answers_times_out_on_time() -> None:
+async def test_a_server_that_never_answers_times_out_and_the_socket_is_dropped() -> None:
+    dropped = asyncio.Event()
+
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(10)
+        with contextlib.suppress(ConnectionError):
+            await reader.read()  # returns once the client's socket is gone
+        dropped.set()
 
     async with server(silent) as url:
         started = time.monotonic()
         with pytest.raises(plain_http.PlainHTTPError, match=r"within 0\.2 s"):
             await plain_http.request("GET", url + "/health", timeout=0.2)
         assert time.monotonic() - started < 1.5
+        await asyncio.wait_for(dropped.wait(), 1)  # not left open until the server gives up
+
+
+async def test_a_cancelled_request_drops_its_socket() -> None:
+    dropped = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            await reader.read()
+        dropped.set()
+
+    async with server(silent) as url:
+        task = asyncio.create_task(plain_http.request("GET", url + "/health", timeout=30))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(dropped.wait(), 1)
+
+
+async def test_a_body_ended_by_the_close_and_an_interim_answer_are_read_right() -> None:
+    async def old_style(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n")
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"data":[]}')
+        await writer.drain()
+
+    async with server(old_style) as url:
+        response = await plain_http.request("GET", url + "/v1/models", timeout=5)
+    assert response.status == 200 and response.json() == {"data": []}
 
 
 @pytest.mark.parametrize(

@@ -33,8 +33,9 @@ def backend(tmp_path: Path, url: str, **options: Any) -> UpstreamBackend:
 def test_upstream_url_is_taken_with_or_without_v1() -> None:
     assert split_upstream_url("http://h:1/v1/") == ("http://h:1/v1", "http://h:1")
     assert split_upstream_url("https://h/api") == ("https://h/api/v1", "https://h/api")
-    with pytest.raises(ValueError, match="http"):
-        split_upstream_url("h:1")
+    for bad in ("h:1", "http://", "http://h:abc/v1", "http://h:70000"):
+        with pytest.raises(ValueError, match="http"):
+            split_upstream_url(bad)
 
 
 def test_settings_refuse_an_upstream_url_that_is_not_http(tmp_path: Path) -> None:
