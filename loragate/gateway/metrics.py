@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from loragate import plain_http
+
 if TYPE_CHECKING:
     from loragate.gateway.runtime import Gateway
 
@@ -373,14 +375,14 @@ async def _engine_metrics(supervisor: Any) -> bytes | None:
     endpoint = getattr(supervisor, "endpoint", None) if supervisor is not None else None
     if endpoint is None or not supervisor.serving:
         return None
-    from loragate.gateway.proxy import fetch
-
     try:
-        status, body = await fetch(endpoint.base_url + "/metrics", endpoint.headers, timeout=3.0)
+        answer = await plain_http.request(
+            "GET", endpoint.base_url + "/metrics", timeout=3.0, headers=endpoint.headers
+        )
     except Exception as exc:  # a scrape must answer even when the engine does not
         log.debug("metrics: the engine's /metrics did not answer: %r", exc)
         return None
-    return body if status == 200 else None
+    return answer.body if answer.status == 200 else None
 
 
 def _number(value: float) -> str:

@@ -675,21 +675,4 @@ def _stream_broken() -> bytes:
     )
 
 
-async def fetch(
-    url: str, headers: dict[str, str] | None = None, timeout: float = 5.0
-) -> tuple[int, bytes]:
-    """GET ``url`` on a fresh connection (for rare calls such as a metrics scrape)."""
-    target = _target(url, "GET")
-    pool = _Pool(connect_timeout=timeout, idle_timeout=0.0, max_idle=0)
-    conn = await pool.connect(target.origin)
-    try:
-        conn.send(_request_bytes(target, headers or {}, b""))
-        async with asyncio.timeout(timeout):
-            await conn.head()
-            body = await conn.read_all()
-        return conn.status, body
-    finally:
-        conn.abort()
-
-
-__all__: list[Any] = ["ProxyClient", "Rename", "UpstreamUnreachable", "fetch"]
+__all__: list[Any] = ["ProxyClient", "Rename", "UpstreamUnreachable"]

@@ -16,7 +16,6 @@ from loragate.gateway.proxy import (
     Rename,
     UpstreamUnreachable,
     _RelayResponse,
-    fetch,
 )
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
@@ -348,14 +347,3 @@ async def test_an_error_answer_to_a_stream_request_is_a_plain_response_with_the_
     assert response.status_code == 400
     assert response.body == b'{"error":{"message":"public cannot do that"}}'
     assert done.calls == 1
-
-
-async def test_fetch_gets_a_page_on_a_fresh_connection() -> None:
-    async def metrics(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nup 1\n")
-        await writer.drain()
-
-    async with Upstream(metrics).running() as upstream:
-        status, body = await fetch(upstream.url.replace("/v1/chat/completions", "/metrics"))
-    assert (status, body) == (200, b"up 1\n")
