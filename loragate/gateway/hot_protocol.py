@@ -33,7 +33,12 @@ from uvicorn.protocols.http.httptools_impl import (
 
 from loragate.gateway import routes_inference
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.metrics import RequestObservation, current_observation, log_access
+from loragate.gateway.metrics import (
+    RequestObservation,
+    current_observation,
+    note_sent,
+    settle,
+)
 from loragate.gateway.proxy import _RelayResponse
 from loragate.gateway.request_body import check_declared_length, parse_json_object, too_large
 from loragate.gateway.runtime import Gateway
@@ -151,12 +156,9 @@ class HotRouteProtocol(HttpToolsProtocol):
             else:
                 cycle.transport.close()
         finally:
-            metrics.in_flight -= 1
             current_observation.reset(token)
-            ended = observation.finished or clock()
-            metrics.record(route, observation, ended)
-            if gateway.settings.access_log:
-                log_access(cast(dict[str, Any], cycle.scope), observation, ended)
+            scope = cast(dict[str, Any], cycle.scope)
+            settle(metrics, route, observation, scope, gateway.settings.access_log)
 
     async def _respond(
         self, cycle: RequestResponseCycle, endpoint: routes_inference.Endpoint
@@ -268,16 +270,9 @@ async def _read_body(cycle: RequestResponseCycle, max_bytes: int) -> bytes:
 
 def _observed_send(cycle: RequestResponseCycle, observation: RequestObservation) -> Any:
     async def send(message: Any) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            observation.status = message["status"]
+        note_sent(observation, message)
+        if message["type"] == "http.response.start":
             message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
-        elif kind == "http.response.body":
-            now = time.perf_counter()
-            if not observation.first_byte and message.get("body"):
-                observation.first_byte = now
-            if not message.get("more_body", False):
-                observation.finished = now
         await cycle.send(message)
 
     return send

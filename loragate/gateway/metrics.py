@@ -201,23 +201,12 @@ class RequestObserver:
         if route not in INFERENCE_PATHS:
             await self.app(scope, receive, send)
             return
-        clock = time.perf_counter
-        observation = RequestObservation(clock())
+        observation = RequestObservation(time.perf_counter())
         token = current_observation.set(observation)
         metrics = self.metrics
 
         async def observing_send(message: Message) -> None:
-            kind = message["type"]
-            if kind == "http.response.start":
-                observation.status = message["status"]
-            elif kind == "http.response.body":
-                # Stamped as the bytes are handed to the server: what happens after (this
-                # task being preempted by the client it just woke) is not the request's time.
-                now = clock()
-                if not observation.first_byte and message.get("body"):
-                    observation.first_byte = now
-                if not message.get("more_body", False):
-                    observation.finished = now
+            note_sent(observation, message)
             await send(message)
 
         metrics.in_flight += 1
@@ -228,12 +217,40 @@ class RequestObserver:
                 observation.status = 500
             raise
         finally:
-            metrics.in_flight -= 1
             current_observation.reset(token)
-            ended = observation.finished or clock()
-            metrics.record(route, observation, ended)
-            if self.access_log_enabled:
-                log_access(scope, observation, ended)
+            settle(metrics, route, observation, scope, self.access_log_enabled)
+
+
+def note_sent(observation: RequestObservation, message: Message) -> None:
+    """Stamp an ASGI send message on ``observation``: its status, first byte and end.
+
+    Stamped as the bytes are handed to the server: what happens after (this task being
+    preempted by the client it just woke) is not the request's time.
+    """
+    kind = message["type"]
+    if kind == "http.response.start":
+        observation.status = message["status"]
+    elif kind == "http.response.body":
+        now = time.perf_counter()
+        if not observation.first_byte and message.get("body"):
+            observation.first_byte = now
+        if not message.get("more_body", False):
+            observation.finished = now
+
+
+def settle(
+    metrics: GatewayMetrics,
+    route: str,
+    observation: RequestObservation,
+    scope: Scope,
+    access_log_enabled: bool,
+) -> None:
+    """The request is over: out of the in-flight count, recorded, and logged when asked."""
+    metrics.in_flight -= 1
+    ended = observation.finished or time.perf_counter()
+    metrics.record(route, observation, ended)
+    if access_log_enabled:
+        log_access(scope, observation, ended)
 
 
 def log_access(scope: Scope, observation: RequestObservation, ended: float) -> None:

@@ -162,9 +162,8 @@ class _Connection(asyncio.Protocol):
             return
         self._body.append(body)
         self._buffered += len(body)
-        if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
+        if self._buffered > _HIGH_WATER:
+            self.hold()
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -202,9 +201,7 @@ class _Connection(asyncio.Protocol):
         chunk = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self._body.clear()
         self._buffered = 0
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
+        self.release()
         return chunk
 
     def relay_to(self, sink: Callable[[bytes], None] | None) -> None:

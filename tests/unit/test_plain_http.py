@@ -98,15 +98,20 @@ async def test_a_port_nobody_listens_on_is_not_reachable() -> None:
         await plain_http.request("GET", url + "/health", timeout=5)
 
 
-async def test_a_server_that_never_answers_times_out_and_the_socket_is_dropped() -> None:
-    dropped = asyncio.Event()
+def silent_until_dropped(dropped: asyncio.Event) -> Handler:
+    """A server that never answers and sets ``dropped`` once the client's socket is gone."""
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError):
-            await reader.read()  # returns once the client's socket is gone
+            await reader.read()
         dropped.set()
 
-    async with server(silent) as url:
+    return silent
+
+
+async def test_a_server_that_never_answers_times_out_and_the_socket_is_dropped() -> None:
+    dropped = asyncio.Event()
+    async with server(silent_until_dropped(dropped)) as url:
         started = time.monotonic()
         with pytest.raises(plain_http.PlainHTTPError, match=r"within 0\.2 s"):
             await plain_http.request("GET", url + "/health", timeout=0.2)
@@ -116,13 +121,7 @@ async def test_a_server_that_never_answers_times_out_and_the_socket_is_dropped()
 
 async def test_a_cancelled_request_drops_its_socket() -> None:
     dropped = asyncio.Event()
-
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError):
-            await reader.read()
-        dropped.set()
-
-    async with server(silent) as url:
+    async with server(silent_until_dropped(dropped)) as url:
         task = asyncio.create_task(plain_http.request("GET", url + "/health", timeout=30))
         await asyncio.sleep(0.1)
         task.cancel()
