@@ -319,13 +319,18 @@ def adapters_convert(
     base: Annotated[
         str, typer.Option("--base", help="The base model dir (or HF id) the adapter is for.")
     ],
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(help="Cache dir for a base model id [default: ~/.cache/loragate]."),
+    ] = None,
 ) -> None:
     """Offline: convert any supported adapter format to the PEFT layout vLLM loads."""
-    from loragate.adapters.commands import convert_command
+    from loragate.adapters.convert_command import convert_command
+    from loragate.demo.layout import default_cache_dir
 
     try:
-        convert_command(source, out, base)
-    except Exception as exc:
+        convert_command(source, out, base, cache_dir or default_cache_dir())
+    except (ValueError, OSError) as exc:
         _fail(str(exc))
     typer.echo(f"wrote a PEFT adapter to {out}")
 

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from loragate.gateway.media import engine_media_env
 from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable
 from loragate.gateway.resend import ResendBudget
 from loragate.settings import Settings
+from loragate.supervisor.cpu_memory import plan_kv_cache, user_sized
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable, SupervisorTimings
 from loragate.supervisor.engine_client import EngineClient
 from loragate.supervisor.engine_command import EngineSpec, is_cpu_build
@@ -80,6 +82,8 @@ class SupervisedEngineBackend:
         self.slots: AdapterSlots | None = None
         self.model_dir: Path | None = None
         self.zero_adapter = False
+        # What loragate chose for the engine's memory, when the user did not (CPU build).
+        self.memory_plan: str | None = None
         self._lock = GatewayLock(self.cache_dir)
         self._prepared = asyncio.Event()
         self._prepare_error: str | None = None
@@ -146,7 +150,6 @@ class SupervisedEngineBackend:
             boot_loras = [
                 (a.name, str(demo_adapter_dir(demo, a.name))) for a in DEMO_ADAPTERS
             ] + boot_loras
-            self._engine_env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
             if not any(arg.startswith("--dtype") for arg in settings.engine_args):
                 self._extra_engine_args = ["--dtype", "float32"]
             if not any(
@@ -164,8 +167,14 @@ class SupervisedEngineBackend:
             model_dir = await asyncio.to_thread(resolve_base_model, settings.model, self.cache_dir)
         self.model_dir = model_dir
         base_config = json.loads((model_dir / "config.json").read_text())
+        cpu_build = await asyncio.to_thread(is_cpu_build, settings.engine_python)
+        if cpu_build and not user_sized(settings.engine_args, dict(os.environ)):
+            plan = plan_kv_cache(model_dir, base_config, settings.engine_args)
+            self._extra_engine_args += plan.engine_args()
+            self.memory_plan = plan.describe()
+            log.info("engine memory: %s", self.memory_plan)
         self.zero_adapter = settings.base_routing == "zero-adapter" or (
-            settings.base_routing == "auto" and is_cpu_build(settings.engine_python)
+            settings.base_routing == "auto" and cpu_build
         )
         # The same CPU-build guard: never more distinct adapters in flight than engine slots.
         self.slots = AdapterSlots(settings.max_loras + 1) if self.zero_adapter else None

@@ -123,7 +123,7 @@ async def unload_lora_adapter(request: Request) -> Response:
 @router.get("/admin/engine")
 async def engine_info(request: Request) -> dict[str, Any]:
     backend = _engine_backend(request)
-    return backend.supervisor.info()
+    return {**backend.supervisor.info(), "memory": backend.memory_plan}
 
 
 @router.post("/admin/engine/restart")

@@ -73,6 +73,11 @@ class ExitInfo:
                 return f"killed by {signal.Signals(signum).name}"
         return f"exit code {code}"
 
+    @property
+    def is_error_exit(self) -> bool:
+        """Exited with an error status of its own, not killed by a signal."""
+        return 0 < self.returncode < 128
+
 
 @dataclass(frozen=True)
 class SupervisorTimings:
@@ -98,23 +103,63 @@ class EngineUnavailable(Exception):
 
 
 class _BootFailed(Exception):
-    pass
+    """A boot that did not reach ready; ``permanent`` when another attempt would fail the same
+    way (a configuration error: bad flag, too little memory, unsupported model, missing files)."""
+
+    def __init__(self, reason: str, permanent: bool = False) -> None:
+        super().__init__(reason)
+        self.permanent = permanent
 
 
 _ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b:")
+# Lines that only point elsewhere: vLLM's API server says these after the real error.
+_WRAPPER_ERRORS = (
+    "See root cause above",
+    "Engine core initialization failed",
+    "Engine process failed to start",
+)
+_BOOT_BANNER = "===== loragate: engine boot at"
+# Start-up errors that another attempt can fix by itself (the supervisor picks a new port).
+_TRANSIENT_ERRORS = ("Address already in use", "EADDRINUSE")
+
+
+def current_boot(lines: list[str]) -> list[str]:
+    """The lines of ``lines`` written since the last boot banner (all of them if none)."""
+    for index in range(len(lines) - 1, -1, -1):
+        if lines[index].startswith(_BOOT_BANNER):
+            return lines[index + 1 :]
+    return lines
+
+
+def root_cause(lines: list[str], limit: int = 600) -> str | None:
+    """The engine's own root-cause line: the last ``SomethingError: ...`` line that is not a
+    wrapper pointing at another, with the indented lines that continue it (pydantic puts the
+    actual reason there). None when the log holds no error line."""
+    found: int | None = None
+    for index in range(len(lines) - 1, -1, -1):
+        line = lines[index]
+        if not _ERROR_LINE.search(line):
+            continue
+        if found is None:
+            found = index
+        if not any(wrapper in line for wrapper in _WRAPPER_ERRORS):
+            found = index
+            break
+    if found is None:
+        return None
+    parts = [lines[found].strip()]
+    for follow in lines[found + 1 : found + 3]:
+        if follow.startswith((" ", "\t")):
+            parts.append(follow.strip())
+    text = " ".join(parts)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def summarize_failure(lines: list[str], limit: int = 600) -> str:
-    """The most telling part of an engine log tail: the last ``SomethingError: ...`` line, with
-    the indented lines that continue it (pydantic puts the actual reason there)."""
-    for index in range(len(lines) - 1, -1, -1):
-        if _ERROR_LINE.search(lines[index]):
-            parts = [lines[index].strip()]
-            for follow in lines[index + 1 : index + 3]:
-                if follow.startswith((" ", "\t")):
-                    parts.append(follow.strip())
-            text = " ".join(parts)
-            return text if len(text) <= limit else text[: limit - 3] + "..."
+    """The most telling line of an engine log tail: its root cause, else its last line."""
+    cause = root_cause(lines, limit)
+    if cause is not None:
+        return cause
     return lines[-1].strip()[:limit] if lines else "no output"
 
 
@@ -223,6 +268,8 @@ class EngineSupervisor:
         """A controlled restart: no backoff, the crash-loop history is cleared."""
         self._failures.clear()
         if self.state == EngineState.FAILED:
+            # Starting now, so that a request arriving at once waits for this boot.
+            self._transition(EngineState.STARTING, reason)
             self._restart_requested.set()
             return
         self._controlled_restart = True
@@ -279,23 +326,35 @@ class EngineSupervisor:
     # ----- the life cycle ----------------------------------------------------------------
 
     async def _life(self) -> None:
-        try:
-            await self._supervise()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a bug here must not leave a dead supervisor claiming "ready"
-            log.exception("engine supervision failed")
-            with contextlib.suppress(Exception):
-                await self._terminate(graceful=False)
-            self._force_state(EngineState.FAILED, f"supervisor error: {exc!r}")
-
-    async def _supervise(self) -> None:
+        # Supervision never ends by itself: whatever goes wrong ends in `failed`, from which
+        # an admin restart always starts a new boot.
         reason = "gateway started"
+        while True:
+            try:
+                await self._supervise(reason)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug here must not leave a dead supervisor claiming "ready"
+                log.exception("engine supervision failed")
+                with contextlib.suppress(Exception):
+                    await self._terminate(graceful=False)
+                await self._give_up(f"supervisor error: {exc!r}")
+            reason = "restart requested by an admin"
+
+    async def _supervise(self, reason: str) -> None:
         while True:
             try:
                 await self._boot(reason)
                 reason = await self._watch()
             except _BootFailed as failure:
+                if failure.permanent and not self._controlled_restart:
+                    await self._give_up(
+                        f"{failure}. This is a configuration problem that a restart would "
+                        "repeat: fix it, then POST /admin/engine/restart or restart the gateway "
+                        f"(engine log: {self.log_path})"
+                    )
+                    reason = "restart requested by an admin"
+                    continue
                 reason = str(failure)
             if self._controlled_restart:
                 self._controlled_restart = False
@@ -303,9 +362,21 @@ class EngineSupervisor:
                 self.restarts += 1
                 reason = self.reason
                 continue
-            await self._after_failure(reason)
+            if await self._after_failure(reason):
+                reason = "restart requested by an admin"
 
-    async def _after_failure(self, reason: str) -> None:
+    async def _give_up(self, reason: str) -> None:
+        """Sit in `failed` with ``reason`` until an admin asks for a restart."""
+        self._ready_since = None
+        self._restart_requested.clear()
+        self._force_state(EngineState.FAILED, reason)
+        await self._restart_requested.wait()
+        self._restart_requested.clear()
+        self._failures.clear()
+
+    async def _after_failure(self, reason: str) -> bool:
+        """Back off before the next boot; True when it gave up (crash loop) and an admin has
+        asked for a restart since."""
         now = time.monotonic()
         if self._ready_since is not None and now - self._ready_since >= self.timings.stable_after:
             self._failures.clear()  # it ran fine for a while: this is no crash loop
@@ -315,17 +386,13 @@ class EngineSupervisor:
             self._failures.popleft()
         self._transition(EngineState.RESTARTING, reason)
         if len(self._failures) >= self.timings.crash_loop_limit:
-            lines = tail_lines(self.log_path, 20)
-            self._transition(
-                EngineState.FAILED,
+            lines = current_boot(tail_lines(self.log_path, 400, max_bytes=256 * 1024))
+            await self._give_up(
                 f"{reason}; gave up after {len(self._failures)} failures within "
                 f"{self.timings.crash_loop_window:g} s (POST /admin/engine/restart to try again). "
-                f"Last engine error: {summarize_failure(lines)}",
+                f"Last engine error: {summarize_failure(lines)}"
             )
-            self._restart_requested.clear()
-            await self._restart_requested.wait()
-            self._failures.clear()
-            return
+            return True
         delay = min(
             self.timings.restart_backoff * 2 ** (len(self._failures) - 1),
             self.timings.restart_backoff_max,
@@ -335,6 +402,7 @@ class EngineSupervisor:
         log.info("engine restarts in %.1f s", delay)
         self.restarts += 1
         await asyncio.sleep(delay)
+        return False
 
     async def _boot(self, reason: str) -> None:
         if self.state != EngineState.STARTING:
@@ -345,9 +413,14 @@ class EngineSupervisor:
         while not await self._probe():
             if self._exit.done():
                 info = self._record_exit()
-                lines = tail_lines(self.log_path, 20)
+                lines = current_boot(tail_lines(self.log_path, 400, max_bytes=256 * 1024))
+                cause = root_cause(lines)
                 raise _BootFailed(
-                    f"engine exited during start-up ({info.describe()}): {summarize_failure(lines)}"
+                    f"engine exited during start-up ({info.describe()}): "
+                    f"{cause or summarize_failure(lines)}",
+                    permanent=info.is_error_exit
+                    and cause is not None
+                    and not any(text in cause for text in _TRANSIENT_ERRORS),
                 )
             if time.monotonic() > deadline:
                 await self._terminate(graceful=False)

@@ -24,11 +24,16 @@ from loragate.supervisor.engine_command import EngineSpec
 from loragate.supervisor.states import TRANSITIONS, EngineState
 
 FAKE_ENGINE = [sys.executable, "-m", "loragate.bench.fake_engine"]
-CRASHING_ENGINE = [
+# Fails the way vLLM does on a configuration error: the root cause, then the API server's
+# wrapper that points at it.
+MISCONFIGURED_ENGINE = [
     sys.executable,
     "-c",
-    "import sys; print('ValueError: no such model'); sys.exit(3)",
+    "import sys; print('(EngineCore pid=1) ValueError: no such model'); "
+    "print('RuntimeError: Engine core initialization failed. See root cause above.'); sys.exit(1)",
 ]
+# Dies during start-up without an error of its own (as if the OOM killer took it).
+KILLED_ENGINE = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
 FAST = SupervisorTimings(
     startup_timeout=30,
     probe_interval=0.2,
@@ -114,15 +119,35 @@ async def test_hung_engine_goes_unhealthy_then_is_killed_and_restarted(
     assert launcher is not None and not psutil.pid_exists(launcher)
 
 
-async def test_crash_loop_ends_failed_with_the_engine_error_until_an_admin_restart(
+async def test_configuration_error_fails_at_once_with_the_engine_root_cause(
     tmp_path: Path,
 ) -> None:
-    sup = supervisor(tmp_path, CRASHING_ENGINE)
+    sup = supervisor(tmp_path, MISCONFIGURED_ENGINE)
+    states: list[str] = []
+    sup.add_listener(lambda state, reason: states.append(str(state)))
+    await sup.start()
+    try:
+        await wait_for(lambda: sup.state == EngineState.FAILED)
+        assert "ValueError: no such model" in sup.reason
+        assert "See root cause above" not in sup.reason
+        assert "configuration problem" in sup.reason
+        assert sup.restarts == 0 and "restarting" not in states  # no restart budget burnt
+        assert "ValueError: no such model" in sup.info()["reason"]
+        await sup.restart()
+        await wait_for(lambda: sup.state != EngineState.FAILED)
+        await wait_for(lambda: sup.state == EngineState.FAILED)
+    finally:
+        await sup.stop()
+    assert sup.state == EngineState.STOPPED
+
+
+async def test_crash_loop_ends_failed_until_an_admin_restart(tmp_path: Path) -> None:
+    sup = supervisor(tmp_path, KILLED_ENGINE)
     await sup.start()
     try:
         await wait_for(lambda: sup.state == EngineState.FAILED)
         assert "gave up after 3 failures" in sup.reason
-        assert "ValueError: no such model" in sup.reason
+        assert "killed by SIGKILL" in sup.reason
         assert sup.restarts == 2
         with pytest.raises(EngineUnavailable, match="failed"):
             await sup.wait_until_serving(1)
@@ -134,6 +159,33 @@ async def test_crash_loop_ends_failed_with_the_engine_error_until_an_admin_resta
     finally:
         await sup.stop()
     assert sup.state == EngineState.STOPPED
+
+
+async def test_supervisor_error_ends_failed_and_an_admin_restart_recovers(
+    tmp_path: Path,
+) -> None:
+    calls = 0
+
+    def build(port: int, api_key: str) -> EngineSpec:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise OSError("cannot spawn: no such file")  # e.g. Popen failing
+        return EngineSpec(
+            model="fake", served_name="fake", port=port, api_key=api_key,
+            max_loras=1, max_lora_rank=8, command=FAKE_ENGINE,
+        )  # fmt: skip
+
+    sup = EngineSupervisor(build, cache_dir=tmp_path, timings=FAST)
+    await sup.start()
+    try:
+        await wait_for(lambda: sup.state == EngineState.FAILED)
+        assert "cannot spawn" in sup.reason
+        await sup.restart()
+        await sup.wait_until_serving(30)
+        assert sup.state == EngineState.READY
+    finally:
+        await sup.stop()
 
 
 async def test_requests_wait_for_a_restart_and_a_full_queue_is_refused(
