@@ -84,7 +84,16 @@ class Settings(BaseSettings):
         description=(
             "How base-model requests reach the engine. 'zero-adapter' routes them through an "
             "all-zero LoRA so the CPU build's slot -1 bug cannot hand them another adapter's "
-            "weights; 'auto' does so on the CPU build only."
+            "weights; 'auto' does so on the CPU build only, and only when the engine does not "
+            "run loragate's fixed CPU LoRA ops (cpu_lora_ops)."
+        ),
+    )
+    cpu_lora_ops: bool = Field(
+        default=True,
+        description=(
+            "On vLLM's CPU build, run loragate's index-safe, slot-grouped LoRA ops in the engine "
+            "(a vLLM plugin): base requests go to the engine plainly and adapters need no slot "
+            "gate. Off: vLLM's own ops, behind the zero-adapter and slot guards."
         ),
     )
 

@@ -33,6 +33,7 @@ from loragate.gateway.media import engine_media_env
 from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable
 from loragate.gateway.resend import ResendBudget
 from loragate.settings import Settings
+from loragate.supervisor.cpu_lora_plugin import SWITCH, plugin_problem
 from loragate.supervisor.cpu_memory import plan_kv_cache, user_sized
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable, SupervisorTimings
 from loragate.supervisor.engine_client import EngineClient
@@ -84,6 +85,8 @@ class SupervisedEngineBackend:
         self.zero_adapter = False
         # What loragate chose for the engine's memory, when the user did not (CPU build).
         self.memory_plan: str | None = None
+        # Whether the engine runs loragate's fixed CPU LoRA ops (loragate.engine_plugin).
+        self.cpu_lora_ops = False
         self._lock = GatewayLock(self.cache_dir)
         self._prepared = asyncio.Event()
         self._prepare_error: str | None = None
@@ -173,8 +176,10 @@ class SupervisedEngineBackend:
             self._extra_engine_args += plan.engine_args()
             self.memory_plan = plan.describe()
             log.info("engine memory: %s", self.memory_plan)
+        if cpu_build:
+            await asyncio.to_thread(self._choose_cpu_lora_ops)
         self.zero_adapter = settings.base_routing == "zero-adapter" or (
-            settings.base_routing == "auto" and cpu_build
+            settings.base_routing == "auto" and cpu_build and not self.cpu_lora_ops
         )
         # The same CPU-build guard: never more distinct adapters in flight than engine slots.
         self.slots = AdapterSlots(settings.max_loras + 1) if self.zero_adapter else None
@@ -205,6 +210,20 @@ class SupervisedEngineBackend:
             await self.manager.declare(name, source)
         self.manager.follower.sync()
         self.manager.store_watch.start()
+
+    def _choose_cpu_lora_ops(self) -> None:
+        """Switch the engine plugin on when the settings ask and the engine will take it."""
+        self._engine_env[SWITCH] = "0"
+        if not self.settings.cpu_lora_ops:
+            log.info("CPU LoRA ops: vLLM's own (cpu_lora_ops is off)")
+            return
+        problem = plugin_problem(self.settings.engine_python, dict(os.environ))
+        if problem is not None:
+            log.warning("CPU LoRA ops: vLLM's own, behind loragate's guards (%s)", problem)
+            return
+        self._engine_env[SWITCH] = "1"
+        self.cpu_lora_ops = True
+        log.info("CPU LoRA ops: loragate's (index-safe, slot-grouped); base requests go plainly")
 
     def _vi_run(self) -> tuple[Path, Path | None]:
         """A Datature Vi run's base model and adapter, downloaded once into the cache dir."""

@@ -123,7 +123,12 @@ async def unload_lora_adapter(request: Request) -> Response:
 @router.get("/admin/engine")
 async def engine_info(request: Request) -> dict[str, Any]:
     backend = _engine_backend(request)
-    return {**backend.supervisor.info(), "memory": backend.memory_plan}
+    return {
+        **backend.supervisor.info(),
+        "memory": backend.memory_plan,
+        "cpu_lora_ops": backend.cpu_lora_ops,
+        "base_routing": "zero-adapter" if backend.zero_adapter else "direct",
+    }
 
 
 @router.post("/admin/engine/restart")
