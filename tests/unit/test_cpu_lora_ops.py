@@ -257,6 +257,34 @@ def test_matches_vllms_broadcast_of_a_single_row(vllm_ops) -> None:
         torch.testing.assert_close(ours, theirs)
 
 
+def test_matches_vllms_ops_when_there_are_more_tokens_than_output_rows(vllm_ops) -> None:
+    gen = torch.Generator().manual_seed(10)
+    lora_b = stacked(HIDDEN, RANK, torch.float32, True, gen)
+    inputs = torch.randn(12, RANK, generator=gen)
+    indices = torch.tensor([0, 1, 0, 2, 2, 1, 0, 0, 1, 2, 0, 1])
+    for add_inputs in (True, False):
+        theirs, ours = call_both(
+            vllm_ops,
+            "bgmv_expand",
+            lambda: torch.ones(5, HIDDEN),
+            inputs,
+            lora_b,
+            indices,
+            add_inputs,
+        )
+        torch.testing.assert_close(ours, theirs)
+        theirs, ours = call_both(
+            vllm_ops,
+            "sgmv_expand",
+            lambda: torch.ones(5, HIDDEN),
+            inputs,
+            lora_b,
+            *sgmv_args(indices),
+            add_inputs,
+        )
+        torch.testing.assert_close(ours, theirs)
+
+
 def test_vllms_op_hands_a_base_token_the_last_slots_adapter_and_ours_does_not(vllm_ops) -> None:
     # The cross-talk bug at its root: index -1 picks the last slot's weights.
     gen = torch.Generator().manual_seed(9)
