@@ -10,8 +10,8 @@ run one einsum over the gathered stack. Two problems follow:
 
 These ops group tokens by slot and run one matmul per slot present. A token with index -1 gets
 no contribution: where an op accumulates (``add_inputs=True``) its output row is not touched;
-where an op overwrites (the shrink ops, ``add_inputs=False``) its row gets the zero delta. That
-matches the GPU (Triton) kernels, which skip index -1, on every buffer vLLM actually passes
+where an op overwrites (the shrink ops; expand with ``add_inputs=False``) its row gets the zero
+delta. That matches the GPU (Triton) kernels, which skip index -1, on every buffer vLLM actually passes
 (it zeroes them first). Everything else follows the originals: signatures and defaults, the
 output dtype as compute dtype, ``scaling``, ``add_inputs``, the slice offsets, the expand ops'
 padding rules (``common_len`` and the single-row broadcast) and the sgmv ops' expansion of
