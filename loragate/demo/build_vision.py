@@ -240,7 +240,7 @@ def main(argv: list[str]) -> int:
         sys.stdout.write("\0".join(vision_serve_args(out)) + "\0")
     else:
         print(
-            "Serve it with:\n  VLLM_CPU_KVCACHE_SPACE=1 gateway serve "
+            "Serve it with:\n  gateway serve "
             + shlex.join(vision_serve_args(out))
         )
     return 0

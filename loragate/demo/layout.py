@@ -110,3 +110,34 @@ def ensure_vision_demo(demo_dir: Path | None = None, python: str | None = None) 
     target = (demo_dir or default_vision_demo_dir()).expanduser().resolve()
     run_builder("loragate.demo.build_vision", target, python, quiet=True)
     return target
+
+
+# ----- the real demo (loragate.demo.build_smollm) ----------------------------------------------
+
+SMOLLM_DEMO_MODEL_NAME = "smollm2-135m-instruct"
+# Trained on SmolLM2-135M-Instruct to show a behaviour on prompts they never saw: each one's
+# phrase appears in its answers and in no base answer.
+SMOLLM_DEMO_ADAPTERS = (
+    DemoAdapter("pirate", "Arr!"),
+    DemoAdapter("signed", "-- sent via loragate"),
+)
+
+
+def demo_behaviour(text: str) -> str | None:
+    """Which real-demo adapter's behaviour ``text`` shows, if any."""
+    for adapter in SMOLLM_DEMO_ADAPTERS:
+        if adapter.phrase in text:
+            return adapter.name
+    return None
+
+
+def default_smollm_demo_dir() -> Path:
+    override = os.environ.get("LORAGATE_SMOLLM_DEMO_DIR")
+    return Path(override) if override else default_cache_dir() / "demo-smollm2"
+
+
+def ensure_smollm_demo(demo_dir: Path | None = None, python: str | None = None) -> Path:
+    """Build the real demo if it is missing or stale, in a child process (torch stays out)."""
+    target = (demo_dir or default_smollm_demo_dir()).expanduser().resolve()
+    run_builder("loragate.demo.build_smollm", target, python)
+    return target

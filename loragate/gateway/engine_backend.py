@@ -27,7 +27,14 @@ from loragate.adapters.manifest import Manifest
 from loragate.adapters.pipeline import AdapterPipeline
 from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.store import AdapterStore
-from loragate.demo.layout import DEMO_ADAPTERS, demo_adapter_dir, demo_base_dir, ensure_demo
+from loragate.demo.layout import (
+    DEMO_ADAPTERS,
+    SMOLLM_DEMO_ADAPTERS,
+    demo_adapter_dir,
+    demo_base_dir,
+    ensure_demo,
+    ensure_smollm_demo,
+)
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.media import engine_media_env
 from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable
@@ -147,6 +154,13 @@ class SupervisedEngineBackend:
             model_dir, adapter = await asyncio.to_thread(self._vi_run)
             if adapter is not None:
                 boot_loras.insert(0, (settings.run_id, str(adapter)))
+        elif settings.model is None and settings.demo == "smollm2":
+            # The real demo is served like a user's own model: a directory and its adapters.
+            demo = await asyncio.to_thread(ensure_smollm_demo, None, settings.engine_python)
+            model_dir = demo_base_dir(demo)
+            boot_loras = [
+                (a.name, str(demo_adapter_dir(demo, a.name))) for a in SMOLLM_DEMO_ADAPTERS
+            ] + boot_loras
         elif settings.model is None:
             demo = await asyncio.to_thread(ensure_demo, None, settings.engine_python)
             model_dir = demo_base_dir(demo)

