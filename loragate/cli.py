@@ -341,14 +341,28 @@ def pull(
     cache_dir: Annotated[
         Path | None, typer.Option(help="Cache dir [default: ~/.cache/loragate].")
     ] = None,
+    engine_python: Annotated[
+        str | None,
+        typer.Option(
+            envvar="LORAGATE_ENGINE_PYTHON",
+            help="Python with torch and transformers, to dequantize a GGUF [default: this one].",
+        ),
+    ] = None,
 ) -> None:
-    """Download a base model into the cache (with progress), for offline serving later."""
+    """Download a base model into the cache (with progress), for offline serving later.
+
+    MODEL is a Hugging Face id, or a GGUF file (path/model.gguf, hf://ORG/REPO/FILE.gguf,
+    pkg://DIST/PATH), which is also dequantized once into the cache.
+    """
     from loragate.adapters.models import resolve_base_model
     from loragate.demo.layout import default_cache_dir
 
     try:
         path = resolve_base_model(
-            model, (cache_dir or default_cache_dir()).expanduser(), progress=True
+            model,
+            (cache_dir or default_cache_dir()).expanduser(),
+            progress=True,
+            python=engine_python,
         )
     except Exception as exc:
         _fail(str(exc))

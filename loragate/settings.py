@@ -36,7 +36,10 @@ class Settings(BaseSettings):
     # What to serve.
     model: str | None = Field(
         default=None,
-        description="Base model: a local directory or a Hugging Face id. Default: the bundled demo.",
+        description=(
+            "Base model: a local directory, a Hugging Face id, or a GGUF file (path/model.gguf, "
+            "hf://ORG/REPO/FILE.gguf, pkg://DIST/PATH), dequantized once. Default: the bundled demo."
+        ),
     )
     demo: Literal["smollm2", "tiny"] = Field(
         default="smollm2",
@@ -194,6 +197,10 @@ class Settings(BaseSettings):
             from loragate.demo.layout import DEMO_MODEL_NAME, SMOLLM_DEMO_MODEL_NAME
 
             return SMOLLM_DEMO_MODEL_NAME if self.demo == "smollm2" else DEMO_MODEL_NAME
+        from loragate.adapters.gguf_model import gguf_served_name, is_gguf_source
+
+        if is_gguf_source(self.model):
+            return gguf_served_name(self.model)
         return self.model
 
     def inference_keys(self) -> list[str]:

