@@ -125,8 +125,8 @@ class Settings(BaseSettings):
     private_image_urls: bool = Field(
         default=False,
         description=(
-            "Let image URLs name loopback, private or link-local addresses (the engine fetches "
-            "them). Off: such URLs are a 400 and the engine follows no redirects."
+            "Let image URLs name loopback, private or link-local addresses (the gateway fetches "
+            "them). Off: a URL whose host is or resolves to one is a 403."
         ),
     )
 

@@ -13,7 +13,6 @@ instead: images (see ``media``), the response format's JSON Schema, Vi's generat
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import time
@@ -301,13 +300,13 @@ async def _check_part(part: Any, where: str, media: MediaPolicy) -> Any:
         return part
     if kind == "image":
         # The Vi SDK's own part, {"type": "image", "image": "<path or URL>"}: OpenAI's from here on.
-        checked = await asyncio.to_thread(media.image_url, part.get("image"), f"{where}.image")
+        checked = await media.image(part.get("image"), f"{where}.image")
         return {"type": "image_url", "image_url": {"url": checked}}
     if kind == "image_url":
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
-        # File reads and image decoding stay off the event loop.
-        resolved = await asyncio.to_thread(media.image_url, url, f"{where}.image_url.url")
+        # Fetches, file reads and image decoding stay off the event loop (see ``media``).
+        resolved = await media.image(url, f"{where}.image_url.url")
         return {
             **part,
             "image_url": {**(image if isinstance(image, dict) else {}), "url": resolved},
