@@ -290,28 +290,66 @@ async def _check_messages(messages: Any, media: MediaPolicy, max_messages: int) 
             content[part_index] = await _check_part(part, f"{where}.content[{part_index}]", media)
 
 
+# Part types the engine reads as text only.
+TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
+# Fields the engine fetches a URL from, whatever the part's type says (vLLM looks a part up by
+# these keys when it has a "uuid"); a part may carry only its own, checked one.
+URL_FIELDS = ("image_url", "audio_url", "video_url")
+_OWN_URL_FIELD = {
+    "image_url": "image_url",
+    "input_image": "image_url",
+    "audio_url": "audio_url",
+    "video_url": "video_url",
+}
+
+
 async def _check_part(part: Any, where: str, media: MediaPolicy) -> Any:
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         raise _bad(f"{where} must be an object with a 'type'.", param=where)
     kind = part["type"]
-    if kind == "text":
-        if not isinstance(part.get("text"), str):
+    stray = [key for key in URL_FIELDS if key in part and key != _OWN_URL_FIELD.get(kind)]
+    if stray:
+        raise _bad(
+            f"{where} is a {kind!r} part but carries {stray[0]!r}; send each image as its own "
+            "image_url part.",
+            param=f"{where}.{stray[0]}",
+            code="unsupported_content_part",
+        )
+    if kind in TEXT_PART_TYPES:
+        if kind == "text" and not isinstance(part.get("text"), str):
             raise _bad(f"{where}.text must be a string.", param=f"{where}.text")
         return part
     if kind == "image":
         # The Vi SDK's own part, {"type": "image", "image": "<path or URL>"}: OpenAI's from here on.
         checked = await media.image(part.get("image"), f"{where}.image")
         return {"type": "image_url", "image_url": {"url": checked}}
+    if kind == "input_image":
+        # The Responses API's part, {"type": "input_image", "image_url": "<URL>"}: the same.
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        checked = await media.image(url, f"{where}.image_url")
+        return {"type": "image_url", "image_url": {"url": checked}}
     if kind == "image_url":
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
-        # Fetches, file reads and image decoding stay off the event loop (see ``media``).
         resolved = await media.image(url, f"{where}.image_url.url")
         return {
             **part,
             "image_url": {**(image if isinstance(image, dict) else {}), "url": resolved},
         }
-    return part  # other kinds (audio, video, ...) are the engine's to accept or refuse
+    if kind in ("audio_url", "video_url"):
+        field = part.get(kind)
+        url = field.get("url") if isinstance(field, dict) else field
+        if not isinstance(url, str) or url[:5].lower() != "data:":
+            medium = kind.removesuffix("_url")
+            raise _bad(
+                f"{where} is a {kind!r} part with a URL the engine would fetch; this gateway "
+                f"lets the engine fetch nothing: send the {medium} as a data: URI.",
+                param=f"{where}.{kind}",
+                code="unsupported_content_part",
+            )
+        return part  # inline data: nothing to fetch, the engine decodes it
+    return part  # other kinds carry no URL (input_audio holds its data): the engine decides
 
 
 def _has_image(messages: list[dict[str, Any]]) -> bool:

@@ -319,3 +319,64 @@ async def test_a_url_that_trickles_is_cut_off_at_the_fetch_deadline(
 def test_the_engine_is_told_to_fetch_no_url_itself() -> None:
     assert media.ENGINE_MEDIA_ARGS == ["--allowed-media-domains", "loragate.invalid"]
     assert media.engine_media_env(20 * 1024 * 1024)["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"
+
+
+# ----- defect 2: every part type the engine could fetch ---------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["video_url", "audio_url"])
+async def test_audio_and_video_urls_are_refused_naming_the_type(
+    settings: Settings, loopback: CountingServer, kind: str
+) -> None:
+    url = f"http://127.0.0.1:{loopback.port}/clip"
+    payload = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": kind, kind: {"url": url}}, {"type": "text", "text": "?"}],
+            }
+        ]
+    }
+    error = await refused(payload, settings, 400)
+    assert kind in error.message and error.param == f"messages[0].content[0].{kind}"
+    # The same media inline is the engine's to decode: nothing to fetch.
+    inline = {"url": "data:audio/wav;base64,UklGRg=="}
+    payload["messages"][0]["content"][0][kind] = inline
+    body = await normalize_chat_request(payload, settings)
+    assert body["messages"][0]["content"][0][kind] == inline
+    assert loopback.hits == []
+
+
+async def test_responses_style_input_image_is_policed_like_image_url(
+    settings: Settings, loopback: CountingServer
+) -> None:
+    payload = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "input_image", "image_url": f"http://127.1:{loopback.port}/"}],
+            }
+        ]
+    }
+    error = await refused(payload, settings, 403)
+    assert error.code == "image_url_forbidden"
+    payload["messages"][0]["content"][0]["image_url"] = PNG_URI
+    body = await normalize_chat_request(payload, settings)
+    assert body["messages"][0]["content"][0] == {"type": "image_url", "image_url": {"url": PNG_URI}}
+    assert loopback.hits == []
+
+
+@pytest.mark.parametrize("field", ["image_url", "audio_url", "video_url"])
+async def test_a_url_field_hidden_in_another_part_type_is_refused(
+    settings: Settings, loopback: CountingServer, field: str
+) -> None:
+    # vLLM reads a part with a "uuid" by its keys, whatever its type says.
+    part = {
+        "type": "text",
+        "text": "?",
+        "uuid": "u1",
+        field: {"url": f"http://127.0.0.1:{loopback.port}/x"},
+    }
+    error = await refused({"messages": [{"role": "user", "content": [part]}]}, settings, 400)
+    assert field in error.message and error.code == "unsupported_content_part"
+    assert loopback.hits == []
