@@ -1,6 +1,7 @@
 """Download one file over HTTP(S): streamed, size-capped, resumable, with a progress bar.
 
-Bytes go to ``<name>.part`` beside the target, with the validator (ETag or Last-Modified)
+The whole transfer has a deadline as well as a per-read timeout, so a server that trickles
+bytes cannot hold the caller forever. Bytes go to ``<name>.part`` beside the target, with the validator (ETag or Last-Modified)
 in ``<name>.part.json``. A later attempt for the same key asks for the rest with
 ``Range`` + ``If-Range``: the server sends the remainder (206) if the file is unchanged,
 or the whole new file (200) if it changed. The target appears only when complete.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-DEFAULT_TIMEOUT = 30.0
+DEFAULT_TIMEOUT = 30.0  # seconds for one read (and to connect)
+DEFAULT_DEADLINE = 3600.0  # seconds for a whole download: 2 GiB at ~600 kB/s
 _CHUNK = 1 << 16
 
 
@@ -46,15 +49,19 @@ def download_file(
     *,
     max_bytes: int,
     timeout: float = DEFAULT_TIMEOUT,
+    deadline: float = DEFAULT_DEADLINE,
     progress: bool = True,
     headers: dict[str, str] | None = None,
     client: httpx.Client | None = None,
 ) -> Downloaded:
     """Download ``url`` to ``target``, resuming a ``target.part`` left by an earlier attempt.
 
-    Refuses (``DownloadError``) anything larger than ``max_bytes``; an interrupted transfer
-    keeps its ``.part`` so that calling again resumes it.
+    Refuses (``DownloadError``) anything larger than ``max_bytes``, and gives up when the
+    transfer is not done ``deadline`` seconds after it started (each read may also wait at
+    most ``timeout``); an interrupted transfer keeps its ``.part`` so that calling again
+    resumes it.
     """
+    ends = time.monotonic() + deadline
     part = target.with_name(target.name + ".part")
     meta_path = target.with_name(target.name + ".part.json")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -65,7 +72,10 @@ def download_file(
         request_headers["Range"] = f"bytes={offset}-"
         request_headers["If-Range"] = validator
     own_client = client is None
-    http = client or httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=True)
+    # No single read may outlast the deadline either.
+    http = client or httpx.Client(
+        timeout=httpx.Timeout(min(timeout, deadline)), follow_redirects=True
+    )
     try:
         with http.stream("GET", url, headers=request_headers) as response:
             if response.status_code == 416 and offset:
@@ -104,7 +114,7 @@ def download_file(
             }
             meta_path.write_text(json.dumps(meta))
             total = offset + int(length) if length is not None and length.isdigit() else None
-            _stream_to(part, response, offset, total, max_bytes, url, progress)
+            _stream_to(part, response, offset, total, max_bytes, url, progress, (ends, deadline))
             return _finish(part, meta_path, target, response, resumed=resumed)
     except httpx.TimeoutException as exc:
         raise DownloadError(
@@ -147,9 +157,11 @@ def _stream_to(
     max_bytes: int,
     url: str,
     progress: bool,
+    deadline: tuple[float, float],
 ) -> None:
     from tqdm.auto import tqdm
 
+    ends, seconds = deadline
     size = offset
     mode = "ab" if offset else "wb"
     with (
@@ -175,6 +187,12 @@ def _stream_to(
                 )
             sink.write(block)
             bar.update(len(block))
+            if time.monotonic() > ends:
+                raise DownloadError(
+                    f"downloading {redact(url)} did not finish within {seconds:g} s ({size} of "
+                    f"{total if total is not None else 'an unknown number of'} bytes arrived); "
+                    "run it again to resume where it stopped"
+                )
     if total is not None and size != total:
         raise DownloadError(
             f"downloading {redact(url)} stopped at {size} of {total} bytes; run it again to resume"

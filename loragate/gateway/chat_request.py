@@ -130,7 +130,9 @@ async def normalize_chat_request(payload: dict[str, Any], settings: Settings) ->
         settings.private_image_urls,
     )
     try:
-        await _check_messages(body["messages"], media, settings.max_messages)
+        await _check_messages(
+            body["messages"], media, settings.max_messages, settings.max_images_per_request
+        )
     except OpenAIError as exc:
         if has_vi and exc.param and exc.param.endswith(".image_url.url"):
             exc.param = "source"  # the field the Vi client sent
@@ -259,7 +261,9 @@ def _translate_guided(body: dict[str, Any]) -> None:
         body["structured_outputs"] = structured
 
 
-async def _check_messages(messages: Any, media: MediaPolicy, max_messages: int) -> None:
+async def _check_messages(
+    messages: Any, media: MediaPolicy, max_messages: int, max_images: int
+) -> None:
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty array.", param="messages")
     if len(messages) > max_messages:
@@ -268,6 +272,7 @@ async def _check_messages(messages: Any, media: MediaPolicy, max_messages: int) 
             param="messages",
             code="too_many_messages",
         )
+    parts: list[tuple[list[Any], int, str]] = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, dict):
@@ -286,10 +291,26 @@ async def _check_messages(messages: Any, media: MediaPolicy, max_messages: int) 
             raise _bad(
                 f"{where}.content must be a string or an array of parts.", param=f"{where}.content"
             )
-        for part_index, part in enumerate(content):
-            content[part_index] = await _check_part(part, f"{where}.content[{part_index}]", media)
+        parts += [(content, i, f"{where}.content[{i}]") for i in range(len(content))]
+    # Counted before any image is read, fetched or decoded.
+    images = sum(
+        1
+        for content, i, _ in parts
+        if isinstance(content[i], dict) and content[i].get("type") in IMAGE_PART_TYPES
+    )
+    if images > max_images:
+        raise _bad(
+            f"The request has {images} images; this gateway allows {max_images} per request "
+            "(max_images_per_request).",
+            param="messages",
+            code="too_many_images",
+        )
+    for content, i, where in parts:
+        content[i] = await _check_part(content[i], where, media)
 
 
+# Part types whose image the gateway checks and sends on as an image_url data URI.
+IMAGE_PART_TYPES = frozenset({"image_url", "image", "input_image"})
 # Part types the engine reads as text only.
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
 # Fields the engine fetches a URL from, whatever the part's type says (vLLM looks a part up by

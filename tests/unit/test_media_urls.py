@@ -380,3 +380,36 @@ async def test_a_url_field_hidden_in_another_part_type_is_refused(
     error = await refused({"messages": [{"role": "user", "content": [part]}]}, settings, 400)
     assert field in error.message and error.code == "unsupported_content_part"
     assert loopback.hits == []
+
+
+# ----- defect 11: image count cap and the decode pool ----------------------------------------
+
+
+async def test_more_images_than_the_cap_is_a_400_before_any_is_fetched(
+    tmp_path: Path, loopback: CountingServer
+) -> None:
+    allowed = Settings(cache_dir=tmp_path, private_image_urls=True, max_images_per_request=3)
+    urls = [f"http://127.0.0.1:{loopback.port}/{i}.png" for i in range(4)]
+    error = await refused(image_request(*urls), allowed, 400)
+    assert error.code == "too_many_images" and "4 images" in error.message
+    assert loopback.hits == []
+    assert Settings(cache_dir=tmp_path).max_images_per_request == 16
+    body = await normalize_chat_request(image_request(*urls[:3]), allowed)
+    assert len(loopback.hits) == 3 and first_image(body) == PNG_URI
+
+
+async def test_images_are_decoded_in_a_bounded_pool_of_their_own(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[str] = []
+    real_check = MediaPolicy._check_image
+
+    def spy(self: MediaPolicy, data: bytes, param: str) -> str:
+        threads.append(threading.current_thread().name)
+        return real_check(self, data, param)
+
+    monkeypatch.setattr(MediaPolicy, "_check_image", spy)
+    await normalize_chat_request(image_request(PNG_URI, PNG_URI), settings)
+    assert len(threads) == 2
+    assert all(name.startswith("loragate-media") for name in threads), threads
+    assert media._pool("media")._max_workers <= 4

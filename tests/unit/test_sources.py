@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -590,3 +591,55 @@ def test_tinker_archive_refusal_is_explained(tinker_sdk: Any, tmp_path: Path) ->
 def _respx() -> Any:
     respx = pytest.importorskip("respx")
     return respx.mock(assert_all_called=False, assert_all_mocked=True)
+
+
+# ----- a server that trickles ----------------------------------------------------------------
+
+
+@pytest.fixture
+def trickling_url() -> Iterator[str]:
+    """A server that promises 1 MB and sends one byte every 50 ms: never silent, never done."""
+
+    class Trickle(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(1 << 20))
+            self.send_header("ETag", '"trickle"')
+            self.end_headers()
+            try:
+                for _ in range(1 << 20):
+                    self.wfile.write(b"\0")
+                    self.wfile.flush()
+                    stop.wait(0.05)
+                    if stop.is_set():
+                        return
+            except OSError:
+                return
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    stop = threading.Event()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/slow.tar.gz?sig=secret"
+    finally:
+        stop.set()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_trickling_download_fails_clearly_at_its_deadline(
+    trickling_url: str, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(SourceError, match=r"did not finish within 1 s") as caught:
+        # The per-read timeout never fires: a byte arrives every 50 ms.
+        fetch_source(trickling_url, tmp_path / "dest", progress=False, timeout=30, deadline=1.0)
+    elapsed = time.monotonic() - started
+    assert elapsed < 5, elapsed
+    assert "run it again to resume" in str(caught.value)
+    assert "secret" not in str(caught.value)
+    assert not (tmp_path / "dest").exists()
