@@ -82,7 +82,8 @@ class StoreWatch:
             try:
                 if stored is None or stamp is None:
                     raise TamperedAdapterError(
-                        f"adapter {entry.active[:12]}: its files are missing from the store"
+                        f"adapter {entry.active[:12]}: its files or metadata are missing from "
+                        "the store or damaged"
                     )
                 await asyncio.to_thread(manager.store.verify, stored)
             except TamperedAdapterError as exc:
