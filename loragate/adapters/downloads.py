@@ -9,9 +9,13 @@ or the whole new file (200) if it changed. The target appears only when complete
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,9 +42,29 @@ class Downloaded:
 
 
 def redact(url: str) -> str:
-    """``url`` without its query string: signed URLs carry credentials there."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+    """``url`` for logs, errors and the API: user:password@ and the query string (where
+    signed URLs carry their credentials) become ``***``, so one can tell they were there."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port is not None else ""
+    except ValueError:  # a malformed port or IPv6 host: show nothing of the address part
+        return f"{url.split(':', 1)[0]}://***"
+    if ":" in host:
+        host = f"[{host}]"
+    userinfo = "***@" if "@" in parts.netloc else ""
+    query = "?***" if parts.query else ""
+    return f"{parts.scheme}://{userinfo}{host}{port}{parts.path}{query}"
+
+
+# A URL in prose: up to whitespace or a quote, less trailing punctuation.
+_URL = re.compile(r"(?i)\bhttps?://[^\s'\"<>]*[^\s'\"<>.,;:!?)\]]")
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with every http(s) URL in it redacted (see ``redact``): for messages that
+    may quote a source."""
+    return _URL.sub(lambda match: redact(match.group(0)), text)
 
 
 def download_file(
@@ -62,9 +86,47 @@ def download_file(
     resumes it.
     """
     ends = time.monotonic() + deadline
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One transfer per target at a time (two adapters from one URL share it), across threads
+    # and processes alike.
+    with _exclusive(target.with_name(target.name + ".lock")):
+        return _download(url, target, ends, deadline, max_bytes, timeout, progress, headers, client)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold ``lock_path`` (flock) for the block, and remove it after."""
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            current = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)  # the holder before us removed that file: lock the one there now
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)
+        os.close(fd)  # releases the lock
+
+
+def _download(
+    url: str,
+    target: Path,
+    ends: float,
+    deadline: float,
+    max_bytes: int,
+    timeout: float,
+    progress: bool,
+    headers: dict[str, str] | None,
+    client: httpx.Client | None,
+) -> Downloaded:
     part = target.with_name(target.name + ".part")
     meta_path = target.with_name(target.name + ".part.json")
-    target.parent.mkdir(parents=True, exist_ok=True)
     offset, validator = _resume_point(part, meta_path)
     # Identity encoding: byte offsets for Range must be offsets into the file itself.
     request_headers = {"Accept-Encoding": "identity", **(headers or {})}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loragate.adapters.downloads import redact_urls
 from loragate.adapters.follow import AdapterFollower
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
@@ -52,7 +53,8 @@ class AdapterError(Exception):
     """An adapter operation failed; ``status`` is the HTTP status a client should see."""
 
     def __init__(self, message: str, status: int = 400, code: str = "adapter_error") -> None:
-        super().__init__(message)
+        # Shown to clients, in /health and in logs: never a source's credentials.
+        super().__init__(redact_urls(message))
         self.status = status
         self.code = code
 
@@ -162,7 +164,7 @@ class AdapterManager:
                 self.routes.route(entry.name, eid)
                 self.failures.pop(entry.name, None)
             except (AdapterError, EngineRefused, EngineUnavailable) as exc:
-                self.failures[entry.name] = str(exc)
+                self.failures[entry.name] = redact_urls(str(exc))
                 log.error("could not re-apply adapter %s: %s", entry.name, exc)
 
     # ----- admin operations -------------------------------------------------------------------
@@ -251,7 +253,7 @@ class AdapterManager:
             "name": name,
             "version": entry.active,
             "previous_version": entry.previous,
-            "source": entry.source,
+            "source": redact_urls(entry.source),
             "revision": entry.revision,
             "follow": entry.follow,
             "rank": stored.meta.get("rank") if stored else None,

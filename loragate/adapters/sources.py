@@ -37,7 +37,6 @@ from loragate.adapters.downloads import (
     DownloadError,
     download_file,
     head_validator,
-    redact,
 )
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
@@ -287,7 +286,8 @@ def _copy_tree(src: Path, dest: Path) -> None:
 
 
 def _download_target(key: str, download_dir: Path) -> Path:
-    # Named by the source, not the URL: signed URLs change on every request, the source does not.
+    # A partial download resumes only for the same key: the full URL (query included, since
+    # it can select other content), or a Tinker path whose signed URLs change every time.
     return download_dir / f".download-{hashlib.sha256(key.encode()).hexdigest()[:24]}.archive"
 
 
@@ -311,7 +311,7 @@ def _fetch_archive_url(
 
 
 def _fetch_url(url: str, dest: Path, progress: bool, limits: _Limits) -> FetchedSource:
-    path, etag = _fetch_archive_url(url, redact(url), dest, progress, limits)
+    path, etag = _fetch_archive_url(url, url, dest, progress, limits)
     return FetchedSource(path, url, "url", revision=etag, etag=etag, fingerprint=etag)
 
 

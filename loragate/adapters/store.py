@@ -146,7 +146,10 @@ class AdapterStore:
                 "created_at": time.time(),
                 "last_used": time.time(),
             }
-            write_atomic(staging / META_FILENAME, json.dumps(record, indent=2, sort_keys=True))
+            # Owner-only: the source may carry credentials (rollback fetches from it again).
+            write_atomic(
+                staging / META_FILENAME, json.dumps(record, indent=2, sort_keys=True), 0o600
+            )
             # The engine re-reads these files whenever its adapter cache reloads the adapter,
             # and other adapters with the same content share them: read-only, so nothing
             # edits a live adapter by accident (verify() catches the rest).
@@ -226,7 +229,9 @@ class AdapterStore:
         """Record that ``stored`` was just used (for eviction); never fails the caller."""
         meta = dict(stored.meta, last_used=time.time())
         try:
-            write_atomic(stored.path / META_FILENAME, json.dumps(meta, indent=2, sort_keys=True))
+            write_atomic(
+                stored.path / META_FILENAME, json.dumps(meta, indent=2, sort_keys=True), 0o600
+            )
         except OSError as exc:  # evicted or removed meanwhile: nothing left to mark
             log.warning("adapter store: cannot mark %s as used: %s", stored.short, exc)
 
@@ -295,7 +300,7 @@ def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str]:
     return meta, ""
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     """Replace ``path`` with ``text`` so that a crash leaves the old or the new file, whole."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -303,7 +308,7 @@ def write_atomic(path: Path, text: str) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
