@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.media import MediaPolicy
+from loragate.gateway.media import ImageBudget, MediaPolicy
 from loragate.settings import Settings
 
 _VI_KEYS = frozenset({"source", "user_prompt", "system_prompt", "generation_config"})
@@ -131,7 +131,11 @@ async def normalize_chat_request(payload: dict[str, Any], settings: Settings) ->
     )
     try:
         await _check_messages(
-            body["messages"], media, settings.max_messages, settings.max_images_per_request
+            body["messages"],
+            media,
+            settings.max_messages,
+            settings.max_images_per_request,
+            ImageBudget(settings.max_body_bytes),
         )
     except OpenAIError as exc:
         if has_vi and exc.param and exc.param.endswith(".image_url.url"):
@@ -262,7 +266,7 @@ def _translate_guided(body: dict[str, Any]) -> None:
 
 
 async def _check_messages(
-    messages: Any, media: MediaPolicy, max_messages: int, max_images: int
+    messages: Any, media: MediaPolicy, max_messages: int, max_images: int, budget: ImageBudget
 ) -> None:
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty array.", param="messages")
@@ -296,7 +300,7 @@ async def _check_messages(
     images = sum(
         1
         for content, i, _ in parts
-        if isinstance(content[i], dict) and content[i].get("type") in IMAGE_PART_TYPES
+        if isinstance(content[i], dict) and _is_image_type(content[i].get("type"))
     )
     if images > max_images:
         raise _bad(
@@ -306,11 +310,17 @@ async def _check_messages(
             code="too_many_images",
         )
     for content, i, where in parts:
-        content[i] = await _check_part(content[i], where, media)
+        content[i] = await _check_part(content[i], where, media, budget)
 
 
 # Part types whose image the gateway checks and sends on as an image_url data URI.
 IMAGE_PART_TYPES = frozenset({"image_url", "image", "input_image"})
+
+
+def _is_image_type(kind: object) -> bool:
+    return isinstance(kind, str) and kind in IMAGE_PART_TYPES  # a list would be unhashable
+
+
 # Part types the engine reads as text only.
 TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
 # Fields the engine fetches a URL from, whatever the part's type says (vLLM looks a part up by
@@ -324,7 +334,7 @@ _OWN_URL_FIELD = {
 }
 
 
-async def _check_part(part: Any, where: str, media: MediaPolicy) -> Any:
+async def _check_part(part: Any, where: str, media: MediaPolicy, budget: ImageBudget) -> Any:
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         raise _bad(f"{where} must be an object with a 'type'.", param=where)
     kind = part["type"]
@@ -342,18 +352,18 @@ async def _check_part(part: Any, where: str, media: MediaPolicy) -> Any:
         return part
     if kind == "image":
         # The Vi SDK's own part, {"type": "image", "image": "<path or URL>"}: OpenAI's from here on.
-        checked = await media.image(part.get("image"), f"{where}.image")
+        checked = await media.image(part.get("image"), f"{where}.image", budget)
         return {"type": "image_url", "image_url": {"url": checked}}
     if kind == "input_image":
         # The Responses API's part, {"type": "input_image", "image_url": "<URL>"}: the same.
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
-        checked = await media.image(url, f"{where}.image_url")
+        checked = await media.image(url, f"{where}.image_url", budget)
         return {"type": "image_url", "image_url": {"url": checked}}
     if kind == "image_url":
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
-        resolved = await media.image(url, f"{where}.image_url.url")
+        resolved = await media.image(url, f"{where}.image_url.url", budget)
         return {
             **part,
             "image_url": {**(image if isinstance(image, dict) else {}), "url": resolved},

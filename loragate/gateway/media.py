@@ -111,15 +111,6 @@ def is_local_name(host: str) -> bool:
     return host == "localhost" or host.endswith(".localhost")
 
 
-def is_private_host(host: str) -> bool:
-    """Whether ``host`` names this machine or a non-public network by itself (localhost, or an
-    address in any numeric form); names that resolve to one are caught when resolved."""
-    if is_local_name(host):
-        return True
-    address = literal_address(host.rstrip("."))
-    return address is not None and is_forbidden_address(address)
-
-
 async def system_resolver(host: str, port: int) -> list[str]:
     """The addresses the OS resolver gives for ``host`` (getaddrinfo, in the DNS pool)."""
     infos = await _in_pool(
@@ -135,6 +126,30 @@ def engine_media_env(max_image_bytes: int) -> dict[str, str]:
         "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB": str(max(1, -(-max_image_bytes // (1 << 20)))),
         "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
     }
+
+
+class ImageBudget:
+    """What the images of one request may add to the body the engine gets: its body cap, as if
+    every image had come inline. A short request naming 16 URLs (or local files) must not make
+    the gateway hold and send 16 times --max-image-bytes."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.left = total
+
+    def take(self, uri: str, param: str) -> str:
+        self.left -= len(uri)
+        if self.left < 0:
+            raise self.exceeded(param)
+        return uri
+
+    def exceeded(self, param: str) -> OpenAIError:
+        return _bad(
+            param,
+            f"the images of this request add up to more than {self.total} bytes as data URIs "
+            "(--max-body-bytes)",
+            "images_too_large",
+        )
 
 
 class MediaPolicy:
@@ -157,15 +172,19 @@ class MediaPolicy:
         self._resolver = resolver
         self._transport = transport
 
-    async def image(self, url: object, param: str) -> str:
+    async def image(self, url: object, param: str, budget: ImageBudget | None = None) -> str:
         """The checked image as a data URI for the engine, or a 4xx naming the problem."""
+        uri = await self._image(url, param, budget)
+        return budget.take(uri, param) if budget is not None else uri
+
+    async def _image(self, url: object, param: str, budget: ImageBudget | None) -> str:
         if not isinstance(url, str) or not url.strip():
             raise _bad(
                 param, "the image must be a non-empty string: a data URI, http(s) URL or local path"
             )
         lowered = url[:16].lower()
         if lowered.startswith(("http://", "https://")):
-            data = await self._fetch(url, param)
+            data = await self._fetch(url, param, budget)
             return data_uri(data, await _in_pool("media", self._check_image, data, param))
         if lowered.startswith("data:"):
             return await _in_pool("media", self._data_uri, url, param)
@@ -187,11 +206,11 @@ class MediaPolicy:
 
     # ----- http(s) URLs --------------------------------------------------------------------
 
-    async def _fetch(self, url: str, param: str) -> bytes:
+    async def _fetch(self, url: str, param: str, budget: ImageBudget | None) -> bytes:
         shown = repr(url[:80])
         try:
             async with asyncio.timeout(self.fetch_timeout):
-                return await self._fetch_following(url, param)
+                return await self._fetch_following(url, param, budget)
         except TimeoutError:
             raise _bad(
                 param,
@@ -205,7 +224,7 @@ class MediaPolicy:
                 "image_fetch_failed",
             ) from None
 
-    async def _fetch_following(self, url: str, param: str) -> bytes:
+    async def _fetch_following(self, url: str, param: str, budget: ImageBudget | None) -> bytes:
         async with httpx.AsyncClient(
             transport=self._transport,
             verify=_tls_context(),
@@ -238,7 +257,7 @@ class MediaPolicy:
                             f"the image URL {url[:80]!r} answered HTTP {response.status_code}",
                             "image_fetch_failed",
                         )
-                    return await self._read_capped(response, param)
+                    return await self._read_capped(response, param, budget)
                 finally:
                     await response.aclose()
         raise _bad(
@@ -279,16 +298,26 @@ class MediaPolicy:
                     raise _forbidden(param, url, str(address))
         return str(addresses[0])
 
-    async def _read_capped(self, response: httpx.Response, param: str) -> bytes:
+    async def _read_capped(
+        self, response: httpx.Response, param: str, budget: ImageBudget | None
+    ) -> bytes:
+        """The body; reading stops as soon as it passes the image's or the request's limit."""
+        # As a data URI (base64) the image must still fit what the request has left.
+        cap = self.max_bytes if budget is None else min(self.max_bytes, budget.left * 3 // 4)
         length = response.headers.get("Content-Length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            raise _too_large(param, self.max_bytes)
+        size = int(length) if length is not None and length.isdigit() else 0
         data = bytearray()
-        async for block in response.aiter_raw():
-            data += block
-            if len(data) > self.max_bytes:
-                raise _too_large(param, self.max_bytes)
-        return bytes(data)
+        if size <= cap:
+            async for block in response.aiter_raw():
+                data += block
+                size = max(size, len(data))
+                if size > cap:
+                    break
+        if size <= cap:
+            return bytes(data)
+        if size > self.max_bytes or budget is None:
+            raise _too_large(param, self.max_bytes)
+        raise budget.exceeded(param)
 
     # ----- local files ---------------------------------------------------------------------
 

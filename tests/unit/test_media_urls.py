@@ -413,3 +413,26 @@ async def test_images_are_decoded_in_a_bounded_pool_of_their_own(
     assert len(threads) == 2
     assert all(name.startswith("loragate-media") for name in threads), threads
     assert media._pool("media")._max_workers <= 4
+
+
+async def test_images_fetched_for_one_request_count_against_its_body_cap(
+    tmp_path: Path, loopback: CountingServer
+) -> None:
+    # Two of these images fit as data URIs; a short request naming three must not cost more.
+    allowed = Settings(
+        cache_dir=tmp_path, private_image_urls=True, max_body_bytes=2 * len(PNG_URI) + 10
+    )
+    urls = [f"http://127.0.0.1:{loopback.port}/{i}.png" for i in range(3)]
+    error = await refused(image_request(*urls), allowed, 400)
+    assert error.code == "images_too_large" and "--max-body-bytes" in error.message
+    assert error.param == "messages[0].content[2].image_url.url"
+    body = await normalize_chat_request(image_request(*urls[:2]), allowed)
+    assert first_image(body) == PNG_URI
+
+
+async def test_a_part_type_that_is_not_a_string_is_a_400_when_images_are_counted(
+    settings: Settings,
+) -> None:
+    payload = {"messages": [{"role": "user", "content": [{"type": ["image_url"]}]}]}
+    error = await refused(payload, settings, 400)
+    assert "'type'" in error.message
