@@ -232,9 +232,9 @@ def _admin(url: str, admin_key: str | None, method: str, path: str, body: Any = 
 
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     try:
-        response = httpx.request(
-            method, url.rstrip("/") + path, json=body, headers=headers, timeout=None
-        )
+        # The admin key goes to the gateway itself, never to an HTTP(S)_PROXY from the env.
+        with httpx.Client(timeout=None, trust_env=False) as client:
+            response = client.request(method, url.rstrip("/") + path, json=body, headers=headers)
     except httpx.HTTPError as exc:
         _fail(f"cannot reach the gateway at {url}: {exc}")
     try:

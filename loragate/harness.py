@@ -65,7 +65,7 @@ class GatewayProcess:
         return self
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        response = httpx.get(f"{self.url}/health", timeout=5)
+        response = httpx.get(f"{self.url}/health", timeout=5, trust_env=False)
         return response.status_code, response.json()
 
     def wait_listening(self, timeout: float = 120) -> None:
@@ -73,7 +73,7 @@ class GatewayProcess:
         while time.monotonic() < deadline:
             self._check_alive()
             with contextlib.suppress(httpx.HTTPError):
-                httpx.get(f"{self.url}/health/live", timeout=2)
+                httpx.get(f"{self.url}/health/live", timeout=2, trust_env=False)
                 return
             time.sleep(0.1)
         raise TimeoutError(f"gateway did not listen within {timeout} s; log: {self.log_tail()}")
@@ -103,7 +103,9 @@ class GatewayProcess:
 
     def admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-        return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=300, **kwargs)
+        return httpx.request(
+            method, f"{self.url}{path}", headers=headers, timeout=300, trust_env=False, **kwargs
+        )
 
     def engine_info(self) -> dict[str, Any]:
         response = self.admin("GET", "/admin/engine")

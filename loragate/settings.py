@@ -142,11 +142,14 @@ class Settings(BaseSettings):
     max_tokens_cap: int | None = Field(default=None, ge=1)
     max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
     max_image_pixels: int = Field(default=40_000_000, gt=0)
+    max_images_per_request: int = Field(
+        default=16, ge=1, description="Image parts one chat request may carry (more: a 400)."
+    )
     private_image_urls: bool = Field(
         default=False,
         description=(
-            "Let image URLs name loopback, private or link-local addresses (the engine fetches "
-            "them). Off: such URLs are a 400 and the engine follows no redirects."
+            "Let image URLs name loopback, private or link-local addresses (the gateway fetches "
+            "them). Off: a URL whose host is or resolves to one is a 403."
         ),
     )
 

@@ -1,15 +1,22 @@
 """Unpack an adapter archive (tar, tar.gz, zip) without trusting it.
 
 Only regular files and directories are unpacked. Absolute paths, ``..`` components, links
-of either kind, devices and FIFOs are refused, and the total unpacked size and the member
-count are capped. Everything is unpacked into a private staging directory that is renamed
-onto ``dest`` only when the whole archive passed, so a refused archive leaves nothing.
+of either kind, devices, FIFOs and sparse files are refused, and the total unpacked size and
+the member count are capped. Everything is unpacked into a private staging directory that is
+renamed onto ``dest`` only when the whole archive passed, so a refused archive leaves nothing.
+
+The limits hold while the archive is read, not after: tar members are read one at a time and
+the count stops at the cap, a tar's long-name and PAX headers are refused past
+``MAX_HEADER_BYTES`` before they are read, and a zip's central directory is sized from its
+end record before ``zipfile`` parses it. A small ``.tar.gz`` of millions of empty entries or
+one huge header fails fast in little memory.
 """
 
 from __future__ import annotations
 
 import shutil
 import stat
+import struct
 import tarfile
 import tempfile
 import zipfile
@@ -21,6 +28,12 @@ from typing import IO
 
 DEFAULT_MAX_BYTES = 2 * 1024**3
 DEFAULT_MAX_MEMBERS = 10_000
+# A long name or PAX record set this large is no adapter's: refused before it is read.
+MAX_HEADER_BYTES = 64 * 1024
+# Extension headers (long name, long link, PAX) in a row before a member: a few at most.
+MAX_HEADER_CHAIN = 8
+# Central directory bytes allowed per member (46 fixed + name + extra + comment).
+_ZIP_DIRECTORY_BYTES_PER_MEMBER = 1024
 _CHUNK = 1 << 20
 
 
@@ -68,11 +81,21 @@ def extract_archive(
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.unpack-", dir=dest.parent))
     try:
+        if kind == "zip":
+            _check_zip_directory(archive, max_members)
         with _open(archive, kind) as reader:
-            members = reader.members()
-            _check_limits(members, max_bytes, max_members)
-            written = 0
-            for member in members:
+            count = declared = written = 0
+            for member in reader.members():
+                count += 1
+                if count > max_members:
+                    raise UnsafeArchiveError(
+                        f"the archive has too many members, more than the limit {max_members}"
+                    )
+                declared += member.size
+                if declared > max_bytes:
+                    raise UnsafeArchiveError(
+                        f"the archive unpacks to more than the limit {max_bytes} bytes"
+                    )
                 target = staging.joinpath(*PurePosixPath(member.name).parts)
                 if member.is_dir:
                     target.mkdir(parents=True, exist_ok=True)
@@ -99,16 +122,46 @@ def extract_archive(
     return dest
 
 
-def _check_limits(members: list[_Member], max_bytes: int, max_members: int) -> None:
-    if len(members) > max_members:
+def _check_zip_directory(archive: Path, max_members: int) -> None:
+    """Refuse a zip whose central directory (which ``zipfile`` reads whole) is over the limits."""
+    found = _zip_directory_size(archive)
+    if found is None:
+        return  # no end record: zipfile says what is wrong
+    entries, size = found
+    if entries > max_members:
         raise UnsafeArchiveError(
-            f"the archive has {len(members)} members, more than the limit {max_members}"
+            f"the archive has {entries} members, more than the limit {max_members}"
         )
-    total = sum(m.size for m in members)
-    if total > max_bytes:
+    if size > max_members * _ZIP_DIRECTORY_BYTES_PER_MEMBER:
         raise UnsafeArchiveError(
-            f"the archive unpacks to {total} bytes, more than the limit {max_bytes}"
+            f"the archive's directory is {size} bytes, more than {max_members} adapter files "
+            "need; refused"
         )
+
+
+def _zip_directory_size(archive: Path) -> tuple[int, int] | None:
+    """``(entries, central directory bytes)`` from a zip's end record (zip64 too)."""
+    with archive.open("rb") as handle:
+        handle.seek(0, 2)
+        length = handle.tell()
+        handle.seek(max(0, length - (22 + 0xFFFF)))  # the record, then a comment of up to 64 KiB
+        tail = handle.read()
+        at = tail.rfind(b"PK\x05\x06")
+        if at < 0 or len(tail) - at < 22:
+            return None
+        entries, size, offset = struct.unpack("<10xHLL2x", tail[at : at + 22])
+        if entries != 0xFFFF and size != 0xFFFFFFFF and offset != 0xFFFFFFFF:
+            return entries, size
+        locator = tail[at - 20 : at] if at >= 20 else b""
+        if not locator.startswith(b"PK\x06\x07"):
+            return entries, size
+        (record_at,) = struct.unpack("<8xQ4x", locator)
+        handle.seek(record_at)
+        record = handle.read(56)
+        if len(record) < 56 or not record.startswith(b"PK\x06\x06"):
+            return entries, size
+        entries64, size64 = struct.unpack("<32xQQ8x", record)
+        return entries64, size64
 
 
 def _safe_name(name: str) -> str:
@@ -131,11 +184,58 @@ def _safe_name(name: str) -> str:
 
 
 class _Reader:
-    def members(self) -> list[_Member]:
+    def members(self) -> Iterator[_Member]:
+        """The archive's members, one at a time, as they are read."""
         raise NotImplementedError
 
     def open(self, member: _Member) -> IO[bytes]:
         raise NotImplementedError
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A tar header that refuses, before reading them, extension headers past the caps and
+    sparse files (whose maps tarfile also reads whole)."""
+
+    _EXTENSIONS = (
+        tarfile.GNUTYPE_LONGNAME,
+        tarfile.GNUTYPE_LONGLINK,
+        tarfile.XHDTYPE,
+        tarfile.XGLTYPE,
+        tarfile.SOLARIS_XHDTYPE,
+    )
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in self._EXTENSIONS:
+            if self.size > MAX_HEADER_BYTES:
+                raise UnsafeArchiveError(
+                    f"the archive has a {self.size}-byte long-name or PAX header (more than "
+                    f"{MAX_HEADER_BYTES}); refused"
+                )
+            chain = getattr(tarfile_, "_loragate_chain", 0) + 1
+            if chain > MAX_HEADER_CHAIN:
+                raise UnsafeArchiveError(
+                    f"the archive has more than {MAX_HEADER_CHAIN} extension headers in a row; "
+                    "refused"
+                )
+            tarfile_._loragate_chain = chain  # type: ignore[attr-defined]
+        else:
+            tarfile_._loragate_chain = 0  # type: ignore[attr-defined]
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            _refuse_sparse()
+        return super()._proc_member(tarfile_)  # type: ignore[misc]
+
+    def _proc_gnusparse_00(self, *args: object) -> None:
+        _refuse_sparse()
+
+    def _proc_gnusparse_01(self, *args: object) -> None:
+        _refuse_sparse()
+
+    def _proc_gnusparse_10(self, *args: object) -> None:
+        _refuse_sparse()
+
+
+def _refuse_sparse() -> None:
+    raise UnsafeArchiveError("the archive holds a sparse file; refused")
 
 
 class _TarReader(_Reader):
@@ -143,9 +243,8 @@ class _TarReader(_Reader):
         self.tar = tar
         self.by_name: dict[str, tarfile.TarInfo] = {}
 
-    def members(self) -> list[_Member]:
-        found = []
-        for info in self.tar.getmembers():
+    def members(self) -> Iterator[_Member]:
+        while (info := self.tar.next()) is not None:
             name = _safe_name(info.name)
             if info.issym() or info.islnk():
                 raise UnsafeArchiveError(f"archive member {info.name!r} is a link; refused")
@@ -156,8 +255,7 @@ class _TarReader(_Reader):
             if not name:
                 continue
             self.by_name[name] = info
-            found.append(_Member(name, info.isdir(), 0 if info.isdir() else info.size))
-        return found
+            yield _Member(name, info.isdir(), 0 if info.isdir() else info.size)
 
     def open(self, member: _Member) -> IO[bytes]:
         handle = self.tar.extractfile(self.by_name[member.name])
@@ -171,8 +269,7 @@ class _ZipReader(_Reader):
         self.zip = archive
         self.by_name: dict[str, zipfile.ZipInfo] = {}
 
-    def members(self) -> list[_Member]:
-        found = []
+    def members(self) -> Iterator[_Member]:
         for info in self.zip.infolist():
             name = _safe_name(info.filename)
             mode = info.external_attr >> 16
@@ -189,8 +286,7 @@ class _ZipReader(_Reader):
             if not name:
                 continue
             self.by_name[name] = info
-            found.append(_Member(name, info.is_dir(), 0 if info.is_dir() else info.file_size))
-        return found
+            yield _Member(name, info.is_dir(), 0 if info.is_dir() else info.file_size)
 
     def open(self, member: _Member) -> IO[bytes]:
         return self.zip.open(self.by_name[member.name])
@@ -202,5 +298,5 @@ def _open(archive: Path, kind: str) -> Iterator[_Reader]:
         with zipfile.ZipFile(archive) as handle:
             yield _ZipReader(handle)
     else:
-        with tarfile.open(archive, "r:*") as handle:
+        with tarfile.open(archive, "r:*", tarinfo=_BoundedTarInfo) as handle:
             yield _TarReader(handle)

@@ -1,6 +1,7 @@
 """Download one file over HTTP(S): streamed, size-capped, resumable, with a progress bar.
 
-Bytes go to ``<name>.part`` beside the target, with the validator (ETag or Last-Modified)
+The whole transfer has a deadline as well as a per-read timeout, so a server that trickles
+bytes cannot hold the caller forever. Bytes go to ``<name>.part`` beside the target, with the validator (ETag or Last-Modified)
 in ``<name>.part.json``. A later attempt for the same key asks for the rest with
 ``Range`` + ``If-Range``: the server sends the remainder (206) if the file is unchanged,
 or the whole new file (200) if it changed. The target appears only when complete.
@@ -8,8 +9,13 @@ or the whole new file (200) if it changed. The target appears only when complete
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import re
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +23,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-DEFAULT_TIMEOUT = 30.0
+DEFAULT_TIMEOUT = 30.0  # seconds for one read (and to connect)
+DEFAULT_DEADLINE = 3600.0  # seconds for a whole download: 2 GiB at ~600 kB/s
 _CHUNK = 1 << 16
 
 
@@ -35,9 +42,29 @@ class Downloaded:
 
 
 def redact(url: str) -> str:
-    """``url`` without its query string: signed URLs carry credentials there."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+    """``url`` for logs, errors and the API: user:password@ and the query string (where
+    signed URLs carry their credentials) become ``***``, so one can tell they were there."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port is not None else ""
+    except ValueError:  # a malformed port or IPv6 host: show nothing of the address part
+        return f"{url.split(':', 1)[0]}://***"
+    if ":" in host:
+        host = f"[{host}]"
+    userinfo = "***@" if "@" in parts.netloc else ""
+    query = "?***" if parts.query else ""
+    return f"{parts.scheme}://{userinfo}{host}{port}{parts.path}{query}"
+
+
+# A URL in prose: up to whitespace or a quote, less trailing punctuation.
+_URL = re.compile(r"(?i)\bhttps?://[^\s'\"<>]*[^\s'\"<>.,;:!?)\]]")
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with every http(s) URL in it redacted (see ``redact``): for messages that
+    may quote a source."""
+    return _URL.sub(lambda match: redact(match.group(0)), text)
 
 
 def download_file(
@@ -46,18 +73,60 @@ def download_file(
     *,
     max_bytes: int,
     timeout: float = DEFAULT_TIMEOUT,
+    deadline: float = DEFAULT_DEADLINE,
     progress: bool = True,
     headers: dict[str, str] | None = None,
     client: httpx.Client | None = None,
 ) -> Downloaded:
     """Download ``url`` to ``target``, resuming a ``target.part`` left by an earlier attempt.
 
-    Refuses (``DownloadError``) anything larger than ``max_bytes``; an interrupted transfer
-    keeps its ``.part`` so that calling again resumes it.
+    Refuses (``DownloadError``) anything larger than ``max_bytes``, and gives up when the
+    transfer is not done ``deadline`` seconds after it started (each read may also wait at
+    most ``timeout``); an interrupted transfer keeps its ``.part`` so that calling again
+    resumes it.
     """
+    ends = time.monotonic() + deadline
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One transfer per target at a time (two adapters from one URL share it), across threads
+    # and processes alike.
+    with _exclusive(target.with_name(target.name + ".lock")):
+        return _download(url, target, ends, deadline, max_bytes, timeout, progress, headers, client)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold ``lock_path`` (flock) for the block, and remove it after."""
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            current = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)  # the holder before us removed that file: lock the one there now
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)
+        os.close(fd)  # releases the lock
+
+
+def _download(
+    url: str,
+    target: Path,
+    ends: float,
+    deadline: float,
+    max_bytes: int,
+    timeout: float,
+    progress: bool,
+    headers: dict[str, str] | None,
+    client: httpx.Client | None,
+) -> Downloaded:
     part = target.with_name(target.name + ".part")
     meta_path = target.with_name(target.name + ".part.json")
-    target.parent.mkdir(parents=True, exist_ok=True)
     offset, validator = _resume_point(part, meta_path)
     # Identity encoding: byte offsets for Range must be offsets into the file itself.
     request_headers = {"Accept-Encoding": "identity", **(headers or {})}
@@ -65,7 +134,10 @@ def download_file(
         request_headers["Range"] = f"bytes={offset}-"
         request_headers["If-Range"] = validator
     own_client = client is None
-    http = client or httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=True)
+    # No single read may outlast the deadline either.
+    http = client or httpx.Client(
+        timeout=httpx.Timeout(min(timeout, deadline)), follow_redirects=True
+    )
     try:
         with http.stream("GET", url, headers=request_headers) as response:
             if response.status_code == 416 and offset:
@@ -104,7 +176,7 @@ def download_file(
             }
             meta_path.write_text(json.dumps(meta))
             total = offset + int(length) if length is not None and length.isdigit() else None
-            _stream_to(part, response, offset, total, max_bytes, url, progress)
+            _stream_to(part, response, offset, total, max_bytes, url, progress, (ends, deadline))
             return _finish(part, meta_path, target, response, resumed=resumed)
     except httpx.TimeoutException as exc:
         raise DownloadError(
@@ -147,9 +219,11 @@ def _stream_to(
     max_bytes: int,
     url: str,
     progress: bool,
+    deadline: tuple[float, float],
 ) -> None:
     from tqdm.auto import tqdm
 
+    ends, seconds = deadline
     size = offset
     mode = "ab" if offset else "wb"
     with (
@@ -175,6 +249,12 @@ def _stream_to(
                 )
             sink.write(block)
             bar.update(len(block))
+            if time.monotonic() > ends:
+                raise DownloadError(
+                    f"downloading {redact(url)} did not finish within {seconds:g} s ({size} of "
+                    f"{total if total is not None else 'an unknown number of'} bytes arrived); "
+                    "run it again to resume where it stopped"
+                )
     if total is not None and size != total:
         raise DownloadError(
             f"downloading {redact(url)} stopped at {size} of {total} bytes; run it again to resume"

@@ -15,6 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from loragate.adapters.downloads import redact_urls
+
 if TYPE_CHECKING:
     from loragate.adapters.manager import AdapterManager
 
@@ -86,7 +88,7 @@ class AdapterFollower:
             return False
         if name in self.skipped and self.skipped[name][0] == marker:
             return False  # this version already failed; wait for the next one
-        log.info("follow: %s changed at %s; updating", name, entry.source)
+        log.info("follow: %s changed at %s; updating", name, redact_urls(entry.source))
         try:
             await self._manager.put(name, entry.source, entry.revision, follow=True)
         except AdapterError as exc:

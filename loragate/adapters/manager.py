@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loragate.adapters.downloads import redact_urls
 from loragate.adapters.follow import AdapterFollower
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
@@ -52,7 +53,8 @@ class AdapterError(Exception):
     """An adapter operation failed; ``status`` is the HTTP status a client should see."""
 
     def __init__(self, message: str, status: int = 400, code: str = "adapter_error") -> None:
-        super().__init__(message)
+        # Shown to clients, in /health and in logs: never a source's credentials.
+        super().__init__(redact_urls(message))
         self.status = status
         self.code = code
 
@@ -156,13 +158,13 @@ class AdapterManager:
             eid = engine_id(entry.name, entry.active)
             try:
                 if eid not in self._loaded:
-                    stored = self._stored(entry.active)
+                    stored = await self._verified(entry.active)
                     await self._engine.load_adapter(eid, stored.path)
                     self._loaded.add(eid)
                 self.routes.route(entry.name, eid)
                 self.failures.pop(entry.name, None)
             except (AdapterError, EngineRefused, EngineUnavailable) as exc:
-                self.failures[entry.name] = str(exc)
+                self.failures[entry.name] = redact_urls(str(exc))
                 log.error("could not re-apply adapter %s: %s", entry.name, exc)
 
     # ----- admin operations -------------------------------------------------------------------
@@ -210,7 +212,7 @@ class AdapterManager:
                 )
             if entry.previous is None:
                 raise AdapterError(f"adapter {name!r} has no previous version to roll back to", 409)
-            stored = self._stored(entry.previous)
+            stored = await self._verified(entry.previous)
             prepared = PreparedVersion(
                 stored=stored,
                 source=str(stored.meta.get("source", entry.source)),
@@ -251,7 +253,7 @@ class AdapterManager:
             "name": name,
             "version": entry.active,
             "previous_version": entry.previous,
-            "source": entry.source,
+            "source": redact_urls(entry.source),
             "revision": entry.revision,
             "follow": entry.follow,
             "rank": stored.meta.get("rank") if stored else None,
@@ -284,6 +286,14 @@ class AdapterManager:
         if name == self.base_name:
             raise AdapterError(f"{name!r} is the base model's name; choose another adapter name")
 
+    async def _verified(self, digest: str) -> StoredAdapter:
+        """The stored version ``digest``, its files checked against their digests.
+
+        Hashing a large adapter takes a while (about 0.3 s per 200 MB here): in a thread, so
+        streams keep flowing meanwhile.
+        """
+        return await asyncio.to_thread(self._stored, digest)
+
     def _stored(self, digest: str) -> StoredAdapter:
         stored = self.store.get(digest)
         if stored is None:
@@ -298,7 +308,7 @@ class AdapterManager:
         """Load ``prepared`` under its own engine id, flip the route, retire the old version."""
         digest = prepared.stored.digest
         eid = engine_id(name, digest)
-        stored = self._stored(digest)
+        stored = await self._verified(digest)
         try:
             await self._supervisor.wait_until_serving(self._ready_timeout)
         except EngineUnavailable as exc:
@@ -341,11 +351,12 @@ class AdapterManager:
             raise
         self.routes.route(name, eid)
         self.failures.pop(name, None)
-        self.store.touch(stored)
         if old_eid is not None and old_eid != eid:
             self.counters["swaps"] += 1
             self._retire(name, old_eid)
-        self.store.evict(keep=self._protected_digests())
+        # Store bookkeeping reads and writes files (eviction: every version's metadata).
+        await asyncio.to_thread(self.store.touch, stored)
+        await asyncio.to_thread(self.store.evict, self._protected_digests())
 
     def _protected_digests(self) -> set[str]:
         keep: set[str] = set()

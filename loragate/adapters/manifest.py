@@ -47,10 +47,12 @@ class Manifest:
             "version": 1,
             "adapters": {n: asdict(e) for n, e in sorted(self.entries.items())},
         }
-        with tmp.open("w") as handle:
+        # Owner-only: sources may carry credentials (signed URLs), needed to fetch again.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
             json.dump(payload, handle, indent=2)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o600)  # an older manifest may have left a wider tmp file
         os.replace(tmp, self.path)
 
     def snapshot(self) -> dict[str, ManifestEntry]:

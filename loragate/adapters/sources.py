@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,11 @@ from loragate.adapters.archives import (
     extract_archive,
 )
 from loragate.adapters.downloads import (
+    DEFAULT_DEADLINE,
     DEFAULT_TIMEOUT,
     DownloadError,
     download_file,
     head_validator,
-    redact,
 )
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
@@ -76,6 +77,7 @@ def fetch_source(
     max_bytes: int = DEFAULT_MAX_BYTES,
     max_members: int = DEFAULT_MAX_MEMBERS,
     timeout: float = DEFAULT_TIMEOUT,
+    deadline: float = DEFAULT_DEADLINE,
     download_dir: Path | None = None,
     hf_cache_dir: Path | None = None,
 ) -> FetchedSource:
@@ -84,9 +86,10 @@ def fetch_source(
     Archives and downloads are unpacked into ``dest`` (absent or empty); a local directory
     is used in place. ``download_dir`` keeps partial downloads between attempts so they
     resume (default: ``dest``'s parent). Archives are capped at ``max_bytes`` (downloaded
-    and unpacked) and ``max_members``.
+    and unpacked) and ``max_members``; each http(s) download must finish within ``deadline``
+    seconds.
     """
-    limits = _Limits(max_bytes, max_members, timeout, download_dir or dest.parent)
+    limits = _Limits(max_bytes, max_members, timeout, download_dir or dest.parent, deadline)
     try:
         if source.startswith("hf://"):
             return _fetch_hf(source, dest, revision, progress, hf_cache_dir)
@@ -105,6 +108,7 @@ class _Limits:
     max_members: int
     timeout: float
     download_dir: Path
+    deadline: float = DEFAULT_DEADLINE
 
 
 # -- local -----------------------------------------------------------------------------------
@@ -282,7 +286,8 @@ def _copy_tree(src: Path, dest: Path) -> None:
 
 
 def _download_target(key: str, download_dir: Path) -> Path:
-    # Named by the source, not the URL: signed URLs change on every request, the source does not.
+    # A partial download resumes only for the same key: the full URL (query included, since
+    # it can select other content), or a Tinker path whose signed URLs change every time.
     return download_dir / f".download-{hashlib.sha256(key.encode()).hexdigest()[:24]}.archive"
 
 
@@ -291,7 +296,12 @@ def _fetch_archive_url(
 ) -> tuple[Path, str | None]:
     target = _download_target(key, limits.download_dir)
     done = download_file(
-        url, target, max_bytes=limits.max_bytes, timeout=limits.timeout, progress=progress
+        url,
+        target,
+        max_bytes=limits.max_bytes,
+        timeout=limits.timeout,
+        deadline=limits.deadline,
+        progress=progress,
     )
     try:
         extract_archive(done.path, dest, max_bytes=limits.max_bytes, max_members=limits.max_members)
@@ -301,7 +311,7 @@ def _fetch_archive_url(
 
 
 def _fetch_url(url: str, dest: Path, progress: bool, limits: _Limits) -> FetchedSource:
-    path, etag = _fetch_archive_url(url, redact(url), dest, progress, limits)
+    path, etag = _fetch_archive_url(url, url, dest, progress, limits)
     return FetchedSource(path, url, "url", revision=etag, etag=etag, fingerprint=etag)
 
 
@@ -486,6 +496,7 @@ def _fetch_tinker_files(rest: Any, path: str, dest: Path, progress: bool, limits
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tinker-", dir=dest.parent))
     try:
         budget = limits.max_bytes
+        ends = time.monotonic() + limits.deadline  # one deadline for all the files together
         for name, url in sorted(urls.items()):
             relative = Path(name)
             if relative.is_absolute() or ".." in relative.parts or not relative.parts:
@@ -493,7 +504,12 @@ def _fetch_tinker_files(rest: Any, path: str, dest: Path, progress: bool, limits
                     f"Tinker checkpoint {path} names an unsafe file {name!r}; refused"
                 )
             done = download_file(
-                url, staging / relative, max_bytes=budget, timeout=limits.timeout, progress=progress
+                url,
+                staging / relative,
+                max_bytes=budget,
+                timeout=limits.timeout,
+                deadline=max(ends - time.monotonic(), 0.001),
+                progress=progress,
             )
             budget -= done.size
         if dest.exists():

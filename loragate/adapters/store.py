@@ -9,6 +9,10 @@ Layout under ``root``::
 
 A version appears in ``versions/`` only by an atomic rename of a complete directory, so a
 half-written or interrupted download is never visible. Every load is preceded by ``verify``.
+Metadata is rewritten atomically (temp file, fsync, rename). A version whose metadata is
+empty or garbled anyway (a crash of an older version, a disk fault, a hand edit) is damaged:
+``get`` logs it and answers None, as for a missing version, so the caller repairs it from its
+source (storing the same content replaces it) and eviction drops it when nothing needs it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -24,6 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("loragate.adapters")
 
 META_FILENAME = ".loragate.json"
 # Only these files make up an adapter as vLLM loads it; anything else in a source dir is ignored.
@@ -85,6 +92,7 @@ class AdapterStore:
         self.versions.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.evictions = 0
+        self._reported: set[str] = set()  # damaged versions already logged
 
     def converted_from(self, source_digest: str) -> StoredAdapter | None:
         """The version earlier converted from source files with this digest, if still stored."""
@@ -104,9 +112,7 @@ class AdapterStore:
     def remember_conversion(self, source_digest: str, stored: StoredAdapter) -> None:
         index = self.root / "sources"
         index.mkdir(exist_ok=True)
-        tmp = index / f".{source_digest}.tmp"
-        tmp.write_text(stored.digest)
-        os.replace(tmp, index / source_digest)
+        write_atomic(index / source_digest, stored.digest)
 
     def work_dir(self) -> Path:
         """A fresh private directory inside the store's file system, for downloads and conversion."""
@@ -125,7 +131,7 @@ class AdapterStore:
                 self.verify(existing)
                 self.touch(existing)
                 return existing
-            shutil.rmtree(existing.path, ignore_errors=True)
+        # Absent, or damaged (files or metadata): a good copy is staged and takes its place.
         staging = Path(tempfile.mkdtemp(prefix="put-", dir=self.tmp))
         try:
             for name in ADAPTER_FILES:
@@ -140,19 +146,26 @@ class AdapterStore:
                 "created_at": time.time(),
                 "last_used": time.time(),
             }
-            (staging / META_FILENAME).write_text(json.dumps(record, indent=2, sort_keys=True))
+            # Owner-only: the source may carry credentials (rollback fetches from it again).
+            write_atomic(
+                staging / META_FILENAME, json.dumps(record, indent=2, sort_keys=True), 0o600
+            )
             # The engine re-reads these files whenever its adapter cache reloads the adapter,
             # and other adapters with the same content share them: read-only, so nothing
             # edits a live adapter by accident (verify() catches the rest).
             for name in ADAPTER_FILES:
                 (staging / name).chmod(0o444)
+                _fsync_file(staging / name)
             staging.chmod(0o755)
             target = self.versions / digest
+            if target.exists() and not self._intact(digest):
+                self._set_aside(target)  # as late as can be: the engine may read it meanwhile
             try:
                 os.rename(staging, target)
             except OSError:
                 if not target.exists():  # another writer won the race with the same content
                     raise
+            _fsync_dir(self.versions)
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
@@ -161,12 +174,39 @@ class AdapterStore:
         return stored
 
     def get(self, digest: str) -> StoredAdapter | None:
+        """The stored version ``digest``; None when absent or damaged (logged once)."""
         path = self.versions / digest
         meta_path = path / META_FILENAME
-        if len(digest) != 64 or not meta_path.is_file():
+        if len(digest) != 64 or not path.is_dir():
             return None
-        meta = json.loads(meta_path.read_text())
-        return StoredAdapter(digest=digest, path=path, size=int(meta.get("size", 0)), meta=meta)
+        meta, problem = _read_meta(meta_path)
+        if meta is None:
+            if digest not in self._reported:
+                self._reported.add(digest)
+                log.error(
+                    "adapter store: version %s is damaged (%s); it will be stored again from "
+                    "its source when needed, or dropped",
+                    digest[:12],
+                    problem,
+                )
+            return None
+        self._reported.discard(digest)
+        return StoredAdapter(digest=digest, path=path, size=int(meta["size"]), meta=meta)
+
+    def _intact(self, digest: str) -> bool:
+        stored = self.get(digest)
+        if stored is None:
+            return False
+        try:
+            self.verify(stored)
+        except TamperedAdapterError:
+            return False
+        return True
+
+    def _set_aside(self, path: Path) -> None:
+        aside = Path(tempfile.mkdtemp(prefix="damaged-", dir=self.tmp))
+        os.rename(path, aside / path.name)
+        shutil.rmtree(aside, ignore_errors=True)
 
     def verify(self, stored: StoredAdapter) -> None:
         """Raise ``TamperedAdapterError`` unless every file still has its recorded digest."""
@@ -186,27 +226,45 @@ class AdapterStore:
             raise TamperedAdapterError(f"adapter {stored.short}: its metadata was modified")
 
     def touch(self, stored: StoredAdapter) -> None:
-        meta_path = stored.path / META_FILENAME
+        """Record that ``stored`` was just used (for eviction); never fails the caller."""
         meta = dict(stored.meta, last_used=time.time())
-        tmp = meta_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True))
-        os.replace(tmp, meta_path)
+        try:
+            write_atomic(
+                stored.path / META_FILENAME, json.dumps(meta, indent=2, sort_keys=True), 0o600
+            )
+        except OSError as exc:  # evicted or removed meanwhile: nothing left to mark
+            log.warning("adapter store: cannot mark %s as used: %s", stored.short, exc)
 
     def remove(self, digest: str) -> None:
         shutil.rmtree(self.versions / digest, ignore_errors=True)
 
     def all(self) -> list[StoredAdapter]:
+        """Every intact version (damaged ones are logged and left out)."""
         found = (self.get(p.name) for p in self.versions.iterdir() if p.is_dir())
         return [s for s in found if s is not None]
+
+    def damaged(self) -> list[str]:
+        """The digests of versions whose metadata cannot be read."""
+        return [
+            p.name
+            for p in self.versions.iterdir()
+            if p.is_dir() and len(p.name) == 64 and self.get(p.name) is None
+        ]
 
     def total_bytes(self) -> int:
         return sum(s.size for s in self.all())
 
     def evict(self, keep: Iterable[str]) -> list[str]:
-        """Drop least-recently-used versions not in ``keep`` until the store fits its cap."""
+        """Drop damaged versions not in ``keep``, then least-recently-used ones not in ``keep``
+        until the store fits its cap."""
+        protected = set(keep)
+        for digest in self.damaged():
+            if digest not in protected:
+                log.warning("adapter store: dropping damaged version %s", digest[:12])
+                self.remove(digest)
+                self._reported.discard(digest)
         if self.max_bytes is None:
             return []
-        protected = set(keep)
         candidates = sorted(
             (s for s in self.all() if s.digest not in protected),
             key=lambda s: float(s.meta.get("last_used", 0)),
@@ -221,3 +279,52 @@ class AdapterStore:
             evicted.append(stored.digest)
         self.evictions += len(evicted)
         return evicted
+
+
+def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """A version's metadata, or None and what is wrong with it."""
+    try:
+        meta = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None, f"no {META_FILENAME}"
+    except OSError as exc:
+        return None, f"{META_FILENAME} cannot be read: {exc.strerror}"
+    except ValueError as exc:  # empty, garbled, not UTF-8
+        return None, f"{META_FILENAME} is not valid JSON: {exc}"
+    if (
+        not isinstance(meta, dict)
+        or not isinstance(meta.get("files"), dict)
+        or not isinstance(meta.get("size"), int)
+    ):
+        return None, f"{META_FILENAME} lacks its file digests or size"
+    return meta, ""
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``text`` so that a crash leaves the old or the new file, whole."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every file system lets a directory be synced
+        _fsync_file(path)

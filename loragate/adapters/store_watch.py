@@ -21,6 +21,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from loragate.adapters.downloads import redact_urls
 from loragate.adapters.store import ADAPTER_FILES, StoredAdapter, TamperedAdapterError
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ class StoreWatch:
             try:
                 if stored is None or stamp is None:
                     raise TamperedAdapterError(
-                        f"adapter {entry.active[:12]}: its files are missing from the store"
+                        f"adapter {entry.active[:12]}: its files or metadata are missing from "
+                        "the store or damaged"
                     )
                 await asyncio.to_thread(manager.store.verify, stored)
             except TamperedAdapterError as exc:
@@ -100,16 +102,17 @@ class StoreWatch:
         entry = manager.manifest.entries.get(name)
         if entry is None:
             return True
-        log.error("adapter %s: %s; storing it again from %s", name, problem, entry.source)
+        shown = redact_urls(entry.source)
+        log.error("adapter %s: %s; storing it again from %s", name, problem, shown)
         manager.counters["store_repairs"] += 1
         try:
             await manager.put(name, entry.source, entry.revision, follow=entry.follow)
         except AdapterError as exc:
             manager.failures[name] = (
-                f"{problem}; it could not be stored again from {entry.source} ({exc}): "
+                f"{problem}; it could not be stored again from {shown} ({exc}): "
                 "PUT a good copy or roll back"
             )
             log.error("adapter %s: %s", name, manager.failures[name])
             return False
-        log.info("adapter %s: stored again from %s", name, entry.source)
+        log.info("adapter %s: stored again from %s", name, shown)
         return True

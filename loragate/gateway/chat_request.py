@@ -13,7 +13,6 @@ instead: images (see ``media``), the response format's JSON Schema, Vi's generat
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.media import MediaPolicy
+from loragate.gateway.media import ImageBudget, MediaPolicy
 from loragate.settings import Settings
 
 _VI_KEYS = frozenset({"source", "user_prompt", "system_prompt", "generation_config"})
@@ -131,7 +130,13 @@ async def normalize_chat_request(payload: dict[str, Any], settings: Settings) ->
         settings.private_image_urls,
     )
     try:
-        await _check_messages(body["messages"], media, settings.max_messages)
+        await _check_messages(
+            body["messages"],
+            media,
+            settings.max_messages,
+            settings.max_images_per_request,
+            ImageBudget(settings.max_body_bytes),
+        )
     except OpenAIError as exc:
         if has_vi and exc.param and exc.param.endswith(".image_url.url"):
             exc.param = "source"  # the field the Vi client sent
@@ -260,7 +265,9 @@ def _translate_guided(body: dict[str, Any]) -> None:
         body["structured_outputs"] = structured
 
 
-async def _check_messages(messages: Any, media: MediaPolicy, max_messages: int) -> None:
+async def _check_messages(
+    messages: Any, media: MediaPolicy, max_messages: int, max_images: int, budget: ImageBudget
+) -> None:
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty array.", param="messages")
     if len(messages) > max_messages:
@@ -269,6 +276,7 @@ async def _check_messages(messages: Any, media: MediaPolicy, max_messages: int) 
             param="messages",
             code="too_many_messages",
         )
+    parts: list[tuple[list[Any], int, str]] = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, dict):
@@ -287,32 +295,92 @@ async def _check_messages(messages: Any, media: MediaPolicy, max_messages: int) 
             raise _bad(
                 f"{where}.content must be a string or an array of parts.", param=f"{where}.content"
             )
-        for part_index, part in enumerate(content):
-            content[part_index] = await _check_part(part, f"{where}.content[{part_index}]", media)
+        parts += [(content, i, f"{where}.content[{i}]") for i in range(len(content))]
+    # Counted before any image is read, fetched or decoded.
+    images = sum(
+        1
+        for content, i, _ in parts
+        if isinstance(content[i], dict) and _is_image_type(content[i].get("type"))
+    )
+    if images > max_images:
+        raise _bad(
+            f"The request has {images} images; this gateway allows {max_images} per request "
+            "(max_images_per_request).",
+            param="messages",
+            code="too_many_images",
+        )
+    for content, i, where in parts:
+        content[i] = await _check_part(content[i], where, media, budget)
 
 
-async def _check_part(part: Any, where: str, media: MediaPolicy) -> Any:
+# Part types whose image the gateway checks and sends on as an image_url data URI.
+IMAGE_PART_TYPES = frozenset({"image_url", "image", "input_image"})
+
+
+def _is_image_type(kind: object) -> bool:
+    return isinstance(kind, str) and kind in IMAGE_PART_TYPES  # a list would be unhashable
+
+
+# Part types the engine reads as text only.
+TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text", "refusal", "thinking"})
+# Fields the engine fetches a URL from, whatever the part's type says (vLLM looks a part up by
+# these keys when it has a "uuid"); a part may carry only its own, checked one.
+URL_FIELDS = ("image_url", "audio_url", "video_url")
+_OWN_URL_FIELD = {
+    "image_url": "image_url",
+    "input_image": "image_url",
+    "audio_url": "audio_url",
+    "video_url": "video_url",
+}
+
+
+async def _check_part(part: Any, where: str, media: MediaPolicy, budget: ImageBudget) -> Any:
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         raise _bad(f"{where} must be an object with a 'type'.", param=where)
     kind = part["type"]
-    if kind == "text":
-        if not isinstance(part.get("text"), str):
+    stray = [key for key in URL_FIELDS if key in part and key != _OWN_URL_FIELD.get(kind)]
+    if stray:
+        raise _bad(
+            f"{where} is a {kind!r} part but carries {stray[0]!r}; send each image as its own "
+            "image_url part.",
+            param=f"{where}.{stray[0]}",
+            code="unsupported_content_part",
+        )
+    if kind in TEXT_PART_TYPES:
+        if kind == "text" and not isinstance(part.get("text"), str):
             raise _bad(f"{where}.text must be a string.", param=f"{where}.text")
         return part
     if kind == "image":
         # The Vi SDK's own part, {"type": "image", "image": "<path or URL>"}: OpenAI's from here on.
-        checked = await asyncio.to_thread(media.image_url, part.get("image"), f"{where}.image")
+        checked = await media.image(part.get("image"), f"{where}.image", budget)
+        return {"type": "image_url", "image_url": {"url": checked}}
+    if kind == "input_image":
+        # The Responses API's part, {"type": "input_image", "image_url": "<URL>"}: the same.
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        checked = await media.image(url, f"{where}.image_url", budget)
         return {"type": "image_url", "image_url": {"url": checked}}
     if kind == "image_url":
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
-        # File reads and image decoding stay off the event loop.
-        resolved = await asyncio.to_thread(media.image_url, url, f"{where}.image_url.url")
+        resolved = await media.image(url, f"{where}.image_url.url", budget)
         return {
             **part,
             "image_url": {**(image if isinstance(image, dict) else {}), "url": resolved},
         }
-    return part  # other kinds (audio, video, ...) are the engine's to accept or refuse
+    if kind in ("audio_url", "video_url"):
+        field = part.get(kind)
+        url = field.get("url") if isinstance(field, dict) else field
+        if not isinstance(url, str) or url[:5].lower() != "data:":
+            medium = kind.removesuffix("_url")
+            raise _bad(
+                f"{where} is a {kind!r} part with a URL the engine would fetch; this gateway "
+                f"lets the engine fetch nothing: send the {medium} as a data: URI.",
+                param=f"{where}.{kind}",
+                code="unsupported_content_part",
+            )
+        return part  # inline data: nothing to fetch, the engine decodes it
+    return part  # other kinds carry no URL (input_audio holds its data): the engine decides
 
 
 def _has_image(messages: list[dict[str, Any]]) -> bool:

@@ -36,7 +36,7 @@ from loragate.demo.layout import (
     ensure_smollm_demo,
 )
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.media import engine_media_env
+from loragate.gateway.media import ENGINE_MEDIA_ARGS, engine_media_env
 from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable
 from loragate.gateway.resend import ResendBudget
 from loragate.settings import Settings
@@ -268,11 +268,11 @@ class SupervisedEngineBackend:
             max_lora_rank=settings.max_lora_rank,
             max_cpu_loras=settings.max_cpu_loras,
             lora_modules=self.manager.boot_modules(),
-            extra_args=self._extra_engine_args + list(settings.engine_args),
+            extra_args=self._extra_engine_args + ENGINE_MEDIA_ARGS + list(settings.engine_args),
             python=settings.engine_python,
             command=settings.engine_command,
             env={
-                **engine_media_env(settings.max_image_bytes, settings.private_image_urls),
+                **engine_media_env(settings.max_image_bytes),
                 **self._engine_env,
             },
         )

@@ -24,7 +24,8 @@ class EngineRefused(Exception):
 class EngineClient:
     def __init__(self, supervisor: EngineSupervisor, timeout: float = 300.0) -> None:
         self._supervisor = supervisor
-        self._http = httpx.AsyncClient(timeout=timeout)
+        # Loopback only, with the engine's key: never through an HTTP(S)_PROXY from the env.
+        self._http = httpx.AsyncClient(timeout=timeout, trust_env=False)
 
     def _endpoint(self) -> tuple[str, dict[str, str]]:
         endpoint = self._supervisor.endpoint

@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
+# The gateway's own settings and credentials are none of the engine's business (its admin key
+# would let any code in the engine drive the gateway). Bench tools that wrap the engine pass
+# their settings as LORAGATE_BENCH_*.
+_PRIVATE_ENV_PREFIX = "LORAGATE_"
+_PASSED_ENV_PREFIX = "LORAGATE_BENCH_"
+_PRIVATE_ENV = frozenset({"DATATURE_VI_SECRET_KEY", "TINKER_API_KEY"})
 
 
 @dataclass
@@ -54,7 +60,12 @@ def engine_argv(spec: EngineSpec) -> list[str]:
 
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in _PRIVATE_ENV
+        and (not name.startswith(_PRIVATE_ENV_PREFIX) or name.startswith(_PASSED_ENV_PREFIX))
+    }
     env.update(spec.env)
     # Without it vLLM has no /v1/load_lora_adapter route at all.
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"

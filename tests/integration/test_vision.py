@@ -261,7 +261,7 @@ def image_server(vision_media: Path) -> Iterator[str]:
         server.server_close()
 
 
-def test_http_image_url_is_fetched_by_the_engine(
+def test_http_image_url_is_fetched_by_the_gateway(
     vision_gateway: GatewayProcess, vision_media: Path, image_server: str
 ) -> None:
     name = IMAGES[2]

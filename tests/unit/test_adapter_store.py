@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -77,3 +78,71 @@ def test_eviction_drops_the_least_recently_used_unprotected_versions(tmp_path: P
     assert store.evict(keep=[live.digest]) == [old.digest]
     assert {s.digest for s in store.all()} == {live.digest, recent.digest}
     assert store.evictions == 1
+
+
+# ----- damaged metadata ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [b"", b'{"files": {', b"\xff\xfe garbage", b"[]", b'{"size": 3}'],
+    ids=["empty", "truncated", "not-utf8", "not-an-object", "no-digests"],
+)
+def test_a_damaged_metadata_file_is_a_damaged_version_not_a_crash(
+    tmp_path: Path, damage: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AdapterStore(tmp_path / "store")
+    source = adapter_dir(tmp_path / "a", b"weights")
+    broken = store.put_dir(source)
+    good = store.put_dir(adapter_dir(tmp_path / "b", b"other weights"))
+    (broken.path / ".loragate.json").write_bytes(damage)
+
+    # What /metrics, the watcher, eviction and boot ask: none of them raises.
+    assert store.get(broken.digest) is None
+    assert "is damaged" in caplog.text and broken.digest[:12] in caplog.text
+    assert [s.digest for s in store.all()] == [good.digest]
+    assert store.total_bytes() == good.size
+    assert store.damaged() == [broken.digest]
+
+    # Storing the same content again (what boot and the store watch do) repairs it in place.
+    repaired = store.put_dir(source, {"source": "again"})
+    assert repaired.digest == broken.digest and repaired.meta["source"] == "again"
+    store.verify(repaired)
+    assert store.damaged() == [] and list(store.tmp.iterdir()) == []
+
+
+def test_eviction_drops_damaged_versions_nothing_needs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = AdapterStore(tmp_path / "store")  # no size cap: damaged versions go all the same
+    needed = store.put_dir(adapter_dir(tmp_path / "a", b"needed"))
+    unneeded = store.put_dir(adapter_dir(tmp_path / "b", b"unneeded"))
+    for stored in (needed, unneeded):
+        (stored.path / ".loragate.json").write_text("")
+    assert store.evict(keep=[needed.digest]) == []
+    assert not unneeded.path.exists() and needed.path.exists()
+    assert "dropping damaged version " + unneeded.digest[:12] in caplog.text
+
+
+def test_metadata_is_written_atomically_and_synced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = AdapterStore(tmp_path / "store")
+    stored = store.put_dir(adapter_dir(tmp_path / "a", b"weights"))
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    store.touch(stored)
+    # The new content was synced under a temporary name, then renamed over the old file.
+    assert any(".loragate.json." in path for path in synced), synced
+    assert str(stored.path) in synced  # and the rename itself
+    assert [p.name for p in stored.path.iterdir() if p.name.endswith(".tmp")] == []
+    assert store.get(stored.digest) is not None
+    # A version removed meanwhile (evicted) is not an error for whoever used it.
+    store.remove(stored.digest)
+    store.touch(stored)

@@ -8,11 +8,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 from PIL import Image
 
-from loragate.gateway import media
+from loragate.gateway import chat_request, media
 from loragate.gateway.chat_request import (
     ChatRequest,
     config_takes_images,
@@ -380,9 +381,7 @@ async def test_bad_data_uris_are_refused(settings: Settings) -> None:
     assert "corrupt" in (await refused(image_request(truncated), settings)).message
 
 
-async def test_http_urls_pass_through_and_other_schemes_are_refused(settings: Settings) -> None:
-    body = await normalize(image_request("https://example.com/cat.png"), settings)
-    assert body["messages"][0]["content"][0]["image_url"]["url"] == "https://example.com/cat.png"
+async def test_other_url_schemes_are_refused(settings: Settings) -> None:
     assert "scheme" in (await refused(image_request("ftp://example.com/cat.png"), settings)).message
 
 
@@ -401,24 +400,40 @@ async def test_http_urls_pass_through_and_other_schemes_are_refused(settings: Se
     ],
 )
 async def test_image_urls_naming_this_machine_or_a_private_network_are_refused(
-    settings: Settings, url: str
+    settings: Settings, url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     error = await refused(image_request(url), settings, status=403)
     assert error.code == "image_url_forbidden", error.message
     assert "--private-image-urls" in error.message
+    # Allowed, the gateway fetches it itself (here from a stand-in for the network).
+    fetched: list[str] = []
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        fetched.append(str(request.url))
+        return httpx.Response(200, stream=httpx.ByteStream(png_bytes()))
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return ["127.0.0.1"]
+
+    monkeypatch.setattr(
+        chat_request,
+        "_media_policy",
+        lambda *args: media.MediaPolicy(
+            *args, resolver=resolver, transport=httpx.MockTransport(answer)
+        ),
+    )
     allowed = settings.model_copy(update={"private_image_urls": True})
     body = await normalize(image_request(url), allowed)
-    assert body["messages"][0]["content"][0]["image_url"]["url"] == url
+    assert body["messages"][0]["content"][0]["image_url"]["url"] == data_uri(png_bytes())
+    assert len(fetched) == 1
 
 
-def test_the_engine_fetches_image_urls_within_the_gateway_limits() -> None:
-    assert media.engine_media_env(20 * 1024 * 1024, private_urls=False) == {
+def test_the_engine_fetches_no_url_and_has_the_gateway_limits() -> None:
+    assert media.engine_media_env(20 * 1024 * 1024) == {
         "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB": "20",
         "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
     }
-    assert media.engine_media_env(1000, private_urls=True) == {
-        "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB": "1"
-    }
+    assert media.engine_media_env(1000)["VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB"] == "1"
 
 
 async def test_vi_sdk_image_parts_become_image_url_parts(settings: Settings) -> None:

@@ -299,10 +299,10 @@ async def test_bad_images_are_a_400_naming_the_problem(
     ["a\x00b.png", "/etc/passwd\x00.png", "~no-such-user-here/x.png"],
     ids=["nul", "nul-after-real-path", "unknown-home"],
 )
-def test_odd_local_paths_are_a_400_not_a_crash(tmp_path: Path, path: str) -> None:
+async def test_odd_local_paths_are_a_400_not_a_crash(tmp_path: Path, path: str) -> None:
     policy = MediaPolicy(tmp_path, 10_000, 10_000)
     with pytest.raises(OpenAIError) as caught:
-        policy.image_url(path, "source")
+        await policy.image(path, "source")
     assert caught.value.status == 400
 
 

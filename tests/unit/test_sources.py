@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -192,6 +193,7 @@ class ArchiveServer:
 
     files: dict[str, bytes] = field(default_factory=dict)
     cut_next_after: int | None = None
+    pause_between_quarters: float = 0.0  # > 0: the body comes in four pieces, this far apart
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
     url: str = ""
 
@@ -234,7 +236,14 @@ def _handler(server: ArchiveServer) -> type[BaseHTTPRequestHandler]:
             if server.cut_next_after is not None:
                 # Send part of the body, then drop the connection mid-transfer.
                 payload, server.cut_next_after = payload[: server.cut_next_after], None
-            self.wfile.write(payload)
+            if not server.pause_between_quarters:
+                self.wfile.write(payload)
+                return
+            quarter = -(-len(payload) // 4)
+            for at in range(0, len(payload), quarter):
+                self.wfile.write(payload[at : at + quarter])
+                self.wfile.flush()
+                time.sleep(server.pause_between_quarters)
 
     return Handler
 
@@ -590,3 +599,124 @@ def test_tinker_archive_refusal_is_explained(tinker_sdk: Any, tmp_path: Path) ->
 def _respx() -> Any:
     respx = pytest.importorskip("respx")
     return respx.mock(assert_all_called=False, assert_all_mocked=True)
+
+
+# ----- a server that trickles ----------------------------------------------------------------
+
+
+@pytest.fixture
+def trickling_url() -> Iterator[str]:
+    """A server that promises 1 MB and sends one byte every 50 ms: never silent, never done."""
+
+    class Trickle(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(1 << 20))
+            self.send_header("ETag", '"trickle"')
+            self.end_headers()
+            try:
+                for _ in range(1 << 20):
+                    self.wfile.write(b"\0")
+                    self.wfile.flush()
+                    stop.wait(0.05)
+                    if stop.is_set():
+                        return
+            except OSError:
+                return
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    stop = threading.Event()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/slow.tar.gz?sig=secret"
+    finally:
+        stop.set()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_trickling_download_fails_clearly_at_its_deadline(
+    trickling_url: str, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(SourceError, match=r"did not finish within 1 s") as caught:
+        # The per-read timeout never fires: a byte arrives every 50 ms.
+        fetch_source(trickling_url, tmp_path / "dest", progress=False, timeout=30, deadline=1.0)
+    elapsed = time.monotonic() - started
+    assert elapsed < 5, elapsed
+    assert "run it again to resume" in str(caught.value)
+    assert "secret" not in str(caught.value)
+    assert not (tmp_path / "dest").exists()
+
+
+# ----- leaks: credentials in messages, shared partial downloads ------------------------------
+
+
+def test_download_errors_show_neither_user_password_nor_signature(
+    archive_server: ArchiveServer, tmp_path: Path
+) -> None:
+    url = archive_server.url.replace("http://", "http://alice:hunter2@")
+    with pytest.raises(SourceError, match="HTTP 404") as caught:
+        fetch_source(f"{url}/missing.tar?sig=topsecret", tmp_path / "dest", progress=False)
+    message = str(caught.value)
+    assert "hunter2" not in message and "alice" not in message and "topsecret" not in message
+    assert "http://***@127.0.0.1:" in message and "/missing.tar?***" in message
+
+
+def test_a_partial_download_resumes_only_for_the_very_same_url(
+    archive_server: ArchiveServer, adapter_dir: Path, tmp_path: Path
+) -> None:
+    archive_server.files["/adapter.tar"] = make_tar(adapter_dir, tmp_path / "a.tar").read_bytes()
+    archive_server.cut_next_after = 3000
+    work = tmp_path / "work"
+    with pytest.raises(SourceError):
+        fetch_source(
+            f"{archive_server.url}/adapter.tar?variant=1",
+            work / "d1",
+            progress=False,
+            download_dir=work / "downloads",
+        )
+    # Another query can name other content: it starts afresh instead of resuming the first.
+    fetch_source(
+        f"{archive_server.url}/adapter.tar?variant=2",
+        work / "d2",
+        progress=False,
+        download_dir=work / "downloads",
+    )
+    assert archive_server.requests[-1][1] == "/adapter.tar?variant=2"
+    assert "Range" not in archive_server.requests[-1][2]
+
+
+def test_two_fetches_of_one_url_at_once_take_turns_on_its_partial_download(
+    archive_server: ArchiveServer, adapter_dir: Path, tmp_path: Path
+) -> None:
+    (adapter_dir / "padding.bin").write_bytes(os.urandom(400_000))
+    archive_server.files["/adapter.tar"] = make_tar(adapter_dir, tmp_path / "a.tar").read_bytes()
+    archive_server.pause_between_quarters = 0.1
+    url = f"{archive_server.url}/adapter.tar"
+    work = tmp_path / "work"
+    results: dict[str, Any] = {}
+
+    def fetch(name: str) -> None:
+        try:
+            results[name] = fetch_source(
+                url, work / name, progress=False, download_dir=work / "downloads"
+            )
+        except Exception as exc:
+            results[name] = exc
+
+    threads = [threading.Thread(target=fetch, args=(name,)) for name in ("one", "two")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    for name in ("one", "two"):
+        fetched = results[name]
+        assert not isinstance(fetched, Exception), f"{name}: {fetched!r}"
+        assert (fetched.path / "padding.bin").read_bytes() == (
+            adapter_dir / "padding.bin"
+        ).read_bytes()

@@ -86,3 +86,17 @@ async def test_missing_files_count_as_damage(tmp_path: Path) -> None:
     watch = StoreWatch(manager, interval=1)  # type: ignore[arg-type]
     assert "missing" in (await watch.check())["pong"]
     assert weights.read_bytes() == b"weights of pong"
+
+
+async def test_a_version_with_garbled_metadata_is_stored_again_from_its_source(
+    tmp_path: Path,
+) -> None:
+    manager = FakeManager(tmp_path)
+    weights = live_adapter(manager, tmp_path, "pong")
+    (weights.parent / ".loragate.json").write_text('{"files": ')
+    watch = StoreWatch(manager, interval=1)  # type: ignore[arg-type]
+    damaged = await watch.check()
+    assert list(damaged) == ["pong"] and "damaged" in damaged["pong"]
+    assert manager.puts == ["pong"]
+    assert manager.store.get(manager.manifest.entries["pong"].active) is not None
+    assert await watch.check() == {}
