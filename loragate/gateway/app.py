@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,8 +12,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loragate.gateway import routes_admin, routes_health, routes_inference, routes_metrics
+from loragate.gateway.admin_token import publish_admin_token, withdraw_admin_token
 from loragate.gateway.auth import KeyConfigError, check_key_settings
 from loragate.gateway.backend import GatewayBackend
+from loragate.gateway.cross_site import is_loopback
 from loragate.gateway.errors import install_error_handlers
 from loragate.gateway.inference_backend import InferenceBackend, as_gateway_backend
 from loragate.gateway.metrics import RequestObserver, route_path
@@ -50,15 +51,6 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class AdminKeyRequired(KeyConfigError):
     pass
 
@@ -91,18 +83,22 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.admin_key is None:
-            log.warning(
-                "admin routes are open without a key (the gateway listens on loopback only)"
-            )
+        token = gateway.admin_token
+        if token is None and settings.admin_key is None:
+            log.warning("admin routes are open without a key to clients on this machine")
         if inference_keys:
             log.info("inference routes need one of %d API keys", len(inference_keys))
         else:
             log.info("inference routes are open: no --api-key or --api-key-file was given")
         await backend.start()
+        if token is not None:
+            path = publish_admin_token(settings.cache_dir, token)
+            log.info("admin routes need the per-start token in %s (no --admin-key given)", path)
         try:
             yield
         finally:
+            if token is not None:
+                withdraw_admin_token(settings.cache_dir, token)
             await backend.stop()
 
     docs: dict[str, Any] = (

@@ -11,7 +11,9 @@ from loragate.gateway.errors import OpenAIError
 
 
 async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object; 413 past ``max_bytes``, 400 for anything that is not one."""
+    """The body as a JSON object; 415 unless declared JSON, 413 past ``max_bytes``, 400 for
+    anything that is not one."""
+    check_json_content_type(request.headers.get("content-type"))
     check_declared_length(request.headers.get("content-length"), max_bytes)
     chunks: list[bytes] = []
     size = 0
@@ -21,6 +23,24 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
             raise too_large(max_bytes)
         chunks.append(chunk)
     return parse_json_object(b"".join(chunks))
+
+
+def check_json_content_type(content_type: str | None) -> None:
+    """415 unless the body is declared ``application/json``.
+
+    A web page may send a text/plain, form or untyped body to any address without a CORS
+    preflight, so such a body could come from any page the user has open; a JSON one cannot.
+    """
+    if content_type is not None:
+        media_type = content_type.split(";", 1)[0].strip().lower()
+        if media_type == "application/json":
+            return
+    raise OpenAIError(
+        415,
+        "Send the request body as JSON with the header 'Content-Type: application/json' "
+        "(curl: -H 'Content-Type: application/json').",
+        code="unsupported_media_type",
+    )
 
 
 def check_declared_length(declared: str | None, max_bytes: int) -> None:

@@ -16,14 +16,14 @@ from loragate.gateway.request_body import read_json_object
 from loragate.gateway.runtime import Gateway
 
 
-def _require_admin_key(request: Request) -> None:
+def _admit_admin(request: Request) -> None:
     # A router dependency runs before FastAPI validates a body: no unauthenticated client
     # learns anything from how its body is judged, and no admin route can forget the check.
     gateway: Gateway = request.app.state.gateway
-    gateway.keys.check_admin(request)
+    gateway.admit_admin(request, request.client.host if request.client else None)
 
 
-router = APIRouter(dependencies=[Depends(_require_admin_key)])
+router = APIRouter(dependencies=[Depends(_admit_admin)])
 
 
 class AdapterRequest(BaseModel):
@@ -36,7 +36,6 @@ class AdapterRequest(BaseModel):
 
 def _engine_backend(request: Request) -> SupervisedEngineBackend:
     gateway: Gateway = request.app.state.gateway
-    gateway.keys.check_admin(request)
     backend = gateway.backend
     if not isinstance(backend, SupervisedEngineBackend):
         raise OpenAIError(
