@@ -35,6 +35,7 @@ LOAD = {"lora_name": "evil", "lora_path": "https://evil.example/adapter.tar.gz"}
 BODY_ROUTES = [
     ("POST", "/v1/load_lora_adapter", LOAD),
     ("POST", "/v1/unload_lora_adapter", {"lora_name": "pong"}),
+    ("PUT", "/admin/adapters/evil", {"source": "https://evil.example/adapter.tar.gz"}),
     ("POST", "/v1/chat/completions", CHAT),
     ("POST", "/v1/completions", {"model": "base", "prompt": "hi"}),
 ]
