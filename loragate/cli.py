@@ -106,6 +106,10 @@ def serve(
     max_body_bytes: Annotated[
         int | None, typer.Option(help="Largest request body in bytes, 413 above (default: 32 MiB).")
     ] = None,
+    limit_concurrency: Annotated[
+        int | None,
+        typer.Option(help="Most connections and requests at once, 503 above (default: 512)."),
+    ] = None,
     max_messages: Annotated[
         int | None, typer.Option(help="Most messages in one chat request (default: 1024).")
     ] = None,
@@ -182,6 +186,7 @@ def serve(
         "api_key_file": api_key_file,
         "admin_key": admin_key,
         "max_body_bytes": max_body_bytes,
+        "limit_concurrency": limit_concurrency,
         "max_messages": max_messages,
         "max_tokens_cap": max_tokens_cap,
         "max_image_bytes": max_image_bytes,

@@ -134,6 +134,14 @@ class Settings(BaseSettings):
     queue_size: int = Field(default=256, ge=0)
     queue_deadline: float = Field(default=300.0, ge=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    limit_concurrency: int = Field(
+        default=512,
+        ge=1,
+        description=(
+            "Most connections and requests at once (uvicorn's --limit-concurrency); past it, a "
+            "503 at once. Each takes a file descriptor, and so may its engine request."
+        ),
+    )
     max_messages: int = Field(default=1024, ge=1)
     max_tokens_cap: int | None = Field(default=None, ge=1)
     max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)

@@ -85,19 +85,24 @@ class Gateway:
 
 
 def server_options(app: Any = None) -> dict[str, Any]:
-    """uvicorn's fastest event loop and HTTP parser, where they are installed (the ``fast`` extra).
+    """The uvicorn options ``gateway serve`` runs ``app`` with.
 
-    uvloop and httptools roughly halve the time uvicorn itself spends per request. Given the
-    gateway's ``app`` (and CORS off), the HTTP protocol is ``hot_protocol``: uvicorn's, with
-    the inference POSTs answered without ASGI. uvicorn's X-Forwarded-For middleware is left
-    out: the gateway never uses the client's address, and it would cost a layer per request.
+    uvicorn's fastest event loop and HTTP parser, where they are installed (the ``fast``
+    extra): uvloop and httptools roughly halve the time uvicorn itself spends per request.
+    Given the gateway's ``app`` (and CORS off), the HTTP protocol is ``hot_protocol``:
+    uvicorn's, with the inference POSTs answered without ASGI; and its connections are bounded
+    (``limit_concurrency``). uvicorn's X-Forwarded-For middleware is left out: the gateway
+    uses the client's address only to keep ``open_admin`` to loopback clients, and a proxy's
+    header must not fake that.
     """
     options: dict[str, Any] = {"proxy_headers": False}
+    gateway = getattr(getattr(app, "state", None), "gateway", None)
+    if isinstance(gateway, Gateway):
+        options["limit_concurrency"] = gateway.settings.limit_concurrency
     if importlib.util.find_spec("uvloop") is not None:
         options["loop"] = "uvloop"
     if importlib.util.find_spec("httptools") is not None:
         options["http"] = "httptools"
-        gateway = getattr(getattr(app, "state", None), "gateway", None)
         if isinstance(gateway, Gateway) and getattr(app, "fast_path", None) is not None:
             from loragate.gateway.hot_protocol import fits_this_uvicorn, hot_protocol
 
