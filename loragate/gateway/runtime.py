@@ -17,6 +17,9 @@ from loragate.gateway.metrics import GatewayMetrics
 from loragate.gateway.parameters import Route, check_parameters
 from loragate.settings import Settings
 
+# Headers a reverse proxy adds: their presence means the client is not the peer we see.
+_FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
+
 
 class Gateway:
     def __init__(self, settings: Settings, backend: GatewayBackend) -> None:
@@ -46,8 +49,15 @@ class Gateway:
         self.check_admin_key(request, client_host)
 
     def check_admin_key(self, request: HasHeaders, client_host: str | None) -> None:
-        """The admin key; where admin routes are open (``open_admin``), a client on this machine."""
-        if self.keys.admin_open and not (client_host is not None and is_loopback(client_host)):
+        """The admin key; where admin routes are open (``open_admin``), a client on this machine.
+
+        A request a proxy forwarded is not from this machine, even when the proxy runs here.
+        """
+        if self.keys.admin_open and not (
+            client_host is not None
+            and is_loopback(client_host)
+            and not any(name in request.headers for name in _FORWARDING_HEADERS)
+        ):
             raise OpenAIError(
                 403,
                 "This gateway's admin routes are open without a key to clients on its own "

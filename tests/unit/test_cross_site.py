@@ -391,4 +391,9 @@ async def test_open_admin_answers_only_clients_on_this_machine(
         async with client_for(app, client=("10.1.2.3", 40000)) as remote:
             refused = await remote.post("/admin/engine/restart")
             assert_error(refused, 403, "invalid_admin_key")
+        # A reverse proxy on this machine connects from loopback on a remote client's behalf.
+        async with client_for(app) as proxied:
+            for header in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
+                refused = await proxied.post("/admin/engine/restart", headers={header: "x"})
+                assert_error(refused, 403, "invalid_admin_key")
     assert backend.supervisor.restart_requests == 0
