@@ -29,7 +29,19 @@ UrlOption = Annotated[
 ]
 AdminKeyOption = Annotated[
     str | None,
-    typer.Option("--admin-key", envvar="LORAGATE_ADMIN_KEY", help="The gateway's admin key."),
+    typer.Option(
+        "--admin-key",
+        envvar="LORAGATE_ADMIN_KEY",
+        help="The gateway's admin key [default: a gateway on this machine's per-start token].",
+    ),
+]
+CacheDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--cache-dir",
+        envvar="LORAGATE_CACHE_DIR",
+        help="The gateway's cache dir, where it keeps its per-start admin token.",
+    ),
 ]
 
 
@@ -94,6 +106,10 @@ def serve(
     max_body_bytes: Annotated[
         int | None, typer.Option(help="Largest request body in bytes, 413 above (default: 32 MiB).")
     ] = None,
+    limit_concurrency: Annotated[
+        int | None,
+        typer.Option(help="Most connections and requests at once, 503 above (default: 512)."),
+    ] = None,
     max_messages: Annotated[
         int | None, typer.Option(help="Most messages in one chat request (default: 1024).")
     ] = None,
@@ -117,6 +133,22 @@ def serve(
         list[str] | None,
         typer.Option(
             help="Allow browser requests from this origin (repeatable; CORS is off by default)."
+        ),
+    ] = None,
+    allowed_hosts: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allowed-hosts",
+            help="Host names admin requests may name besides loopback and --host "
+            "(comma-separated or repeated; '*.example.com', '*').",
+        ),
+    ] = None,
+    open_admin: Annotated[
+        bool | None,
+        typer.Option(
+            "--open-admin",
+            help="Admin routes without any key, to this machine's clients only "
+            "(default: without --admin-key, a per-start token in CACHE_DIR/admin-token).",
         ),
     ] = None,
     docs: Annotated[
@@ -154,12 +186,15 @@ def serve(
         "api_key_file": api_key_file,
         "admin_key": admin_key,
         "max_body_bytes": max_body_bytes,
+        "limit_concurrency": limit_concurrency,
         "max_messages": max_messages,
         "max_tokens_cap": max_tokens_cap,
         "max_image_bytes": max_image_bytes,
         "max_image_pixels": max_image_pixels,
         "private_image_urls": private_image_urls,
         "cors_origins": cors_origin or None,
+        "allowed_hosts": allowed_hosts or None,
+        "open_admin": open_admin,
         "docs": docs,
         "allowed_media_dir": allowed_media_dir,
         "upstream_url": upstream_url,
@@ -227,9 +262,18 @@ def serve(
     )
 
 
-def _admin(url: str, admin_key: str | None, method: str, path: str, body: Any = None) -> Any:
+def _admin(
+    url: str,
+    admin_key: str | None,
+    method: str,
+    path: str,
+    body: Any = None,
+    cache_dir: Path | None = None,
+) -> Any:
     import httpx
 
+    if admin_key is None:
+        admin_key = _local_admin_token(url, cache_dir)
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     try:
         # The admin key goes to the gateway itself, never to an HTTP(S)_PROXY from the env.
@@ -248,6 +292,26 @@ def _admin(url: str, admin_key: str | None, method: str, path: str, body: Any = 
     return payload
 
 
+def _local_admin_token(url: str, cache_dir: Path | None) -> str | None:
+    """The per-start token of a gateway on this machine started without --admin-key.
+
+    Only ever sent to a loopback URL: the token opens this machine's gateway, not another's.
+    """
+    import httpx
+
+    from loragate.demo.layout import default_cache_dir
+    from loragate.gateway.admin_token import read_admin_token
+    from loragate.gateway.cross_site import is_loopback
+
+    try:
+        host = httpx.URL(url).host
+    except httpx.InvalidURL:
+        return None
+    if not is_loopback(host):
+        return None
+    return read_admin_token(cache_dir or default_cache_dir())
+
+
 @adapters_app.command("add")
 def adapters_add(
     name: str,
@@ -260,6 +324,7 @@ def adapters_add(
     ] = False,
     url: UrlOption = DEFAULT_URL,
     admin_key: AdminKeyOption = None,
+    cache_dir: CacheDirOption = None,
 ) -> None:
     """Add NAME from SOURCE, or swap in a new version; returns once it serves."""
     typer.echo(
@@ -271,14 +336,19 @@ def adapters_add(
         "PUT",
         f"/admin/adapters/{name}",
         {"source": source, "revision": revision, "follow": follow},
+        cache_dir,
     )
     typer.echo(f"{result['name']} now serves version {result['version'][:12]} ({result['state']}).")
 
 
 @adapters_app.command("list")
-def adapters_list(url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None) -> None:
+def adapters_list(
+    url: UrlOption = DEFAULT_URL,
+    admin_key: AdminKeyOption = None,
+    cache_dir: CacheDirOption = None,
+) -> None:
     """Adapters with their active version, size and state."""
-    result = _admin(url, admin_key, "GET", "/admin/adapters")
+    result = _admin(url, admin_key, "GET", "/admin/adapters", cache_dir=cache_dir)
     rows = result.get("data", [])
     if not rows:
         typer.echo("no adapters")
@@ -296,19 +366,25 @@ def adapters_list(url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None
 
 @adapters_app.command("remove")
 def adapters_remove(
-    name: str, url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None
+    name: str,
+    url: UrlOption = DEFAULT_URL,
+    admin_key: AdminKeyOption = None,
+    cache_dir: CacheDirOption = None,
 ) -> None:
     """Stop serving NAME (its cached versions stay for a later rollback)."""
-    _admin(url, admin_key, "DELETE", f"/admin/adapters/{name}")
+    _admin(url, admin_key, "DELETE", f"/admin/adapters/{name}", cache_dir=cache_dir)
     typer.echo(f"{name} removed")
 
 
 @adapters_app.command("rollback")
 def adapters_rollback(
-    name: str, url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None
+    name: str,
+    url: UrlOption = DEFAULT_URL,
+    admin_key: AdminKeyOption = None,
+    cache_dir: CacheDirOption = None,
 ) -> None:
     """Serve NAME's previous version again."""
-    result = _admin(url, admin_key, "POST", f"/admin/adapters/{name}/rollback")
+    result = _admin(url, admin_key, "POST", f"/admin/adapters/{name}/rollback", cache_dir=cache_dir)
     typer.echo(f"{name} now serves version {result['version'][:12]}")
 
 
@@ -371,10 +447,14 @@ def pull(
 
 
 @app.command()
-def status(url: UrlOption = DEFAULT_URL, admin_key: AdminKeyOption = None) -> None:
+def status(
+    url: UrlOption = DEFAULT_URL,
+    admin_key: AdminKeyOption = None,
+    cache_dir: CacheDirOption = None,
+) -> None:
     """Engine state, pid, restarts and adapters of a running gateway."""
-    engine = _admin(url, admin_key, "GET", "/admin/engine")
-    adapters = _admin(url, admin_key, "GET", "/admin/adapters")
+    engine = _admin(url, admin_key, "GET", "/admin/engine", cache_dir=cache_dir)
+    adapters = _admin(url, admin_key, "GET", "/admin/adapters", cache_dir=cache_dir)
     engine.pop("log_tail", None)
     typer.echo(json.dumps({"engine": engine, "adapters": adapters.get("data", [])}, indent=2))
 

@@ -10,13 +10,14 @@ import contextvars
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
@@ -118,6 +119,21 @@ class Settings(BaseSettings):
     admin_key: str | None = None
     metrics_public: bool = True
     cors_origins: list[str] = Field(default_factory=list)
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Host names admin requests may be addressed to, besides loopback names and --host "
+            "(comma-separated or repeated; '*.example.com' for subdomains, '*' for any). "
+            "Defends the admin API against DNS rebinding."
+        ),
+    )
+    open_admin: bool = Field(
+        default=False,
+        description=(
+            "Serve the admin routes without any key, to clients on this machine only. Off: "
+            "without --admin-key, a per-start token in CACHE_DIR/admin-token is the key."
+        ),
+    )
     docs: bool = True
 
     # Supervision.
@@ -138,6 +154,14 @@ class Settings(BaseSettings):
     queue_size: int = Field(default=256, ge=0)
     queue_deadline: float = Field(default=300.0, ge=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    limit_concurrency: int = Field(
+        default=512,
+        ge=1,
+        description=(
+            "Most connections and requests at once (uvicorn's --limit-concurrency); past it, a "
+            "503 at once. Each takes a file descriptor, and so may its engine request."
+        ),
+    )
     max_messages: int = Field(default=1024, ge=1)
     max_tokens_cap: int | None = Field(default=None, ge=1)
     max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
@@ -168,6 +192,15 @@ class Settings(BaseSettings):
     @classmethod
     def _accept_single_string(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_host_names(cls, value: Any) -> Any:
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list):
+            return value
+        names = (part.strip().lower() for item in values for part in str(item).split(","))
+        return [name for name in names if name]
 
     @field_validator("upstream_url")
     @classmethod

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from loragate.gateway.app import create_app
+from loragate.gateway.engine_backend import SupervisedEngineBackend
 from loragate.gateway.proxy import ProxyClient
 from loragate.gateway.runtime import server_options
 from loragate.settings import Settings
@@ -52,6 +53,79 @@ class RecordingBackend:
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
         }
         return Response(orjson.dumps(answer), media_type="application/json")
+
+
+class AdapterManagerDouble:
+    """The adapter manager's admin surface; records each change it is asked for."""
+
+    base_name = "base"
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[str, ...]] = []
+
+    def list(self) -> list[dict[str, Any]]:
+        return [{"name": "pong", "version": "0" * 64, "state": "serving", "source": "/pong"}]
+
+    async def put(
+        self, name: str, source: str, revision: str | None = None, follow: bool = False
+    ) -> dict[str, Any]:
+        self.changes.append(("put", name, source))
+        return {"name": name, "version": "1" * 64, "state": "serving"}
+
+    async def remove(self, name: str) -> None:
+        self.changes.append(("remove", name))
+
+    async def rollback(self, name: str) -> dict[str, Any]:
+        self.changes.append(("rollback", name))
+        return {"name": name, "version": "0" * 64, "state": "serving"}
+
+
+class EngineSupervisorDouble:
+    """The supervisor as the admin routes and /metrics see it: ready, never restarted."""
+
+    state = "ready"
+    restarts = 0
+    waiting = 0
+    serving = False  # so /metrics does not scrape an engine
+
+    def __init__(self) -> None:
+        self.restart_requests = 0
+
+    def info(self) -> dict[str, Any]:
+        return {"state": self.state, "pid": None, "restarts": self.restarts}
+
+    async def restart(self) -> None:
+        self.restart_requests += 1
+
+
+class ManagedBackendDouble(RecordingBackend, SupervisedEngineBackend):
+    """A backend with the supervised engine's admin routes, answered by doubles: the admin
+    API runs for real (keys, bodies, routes) and nothing is spawned, locked or written."""
+
+    def __init__(self) -> None:  # no SupervisedEngineBackend.__init__: it builds an engine
+        RecordingBackend.__init__(self)
+        self.adapters = AdapterManagerDouble()
+        self.supervisor = EngineSupervisorDouble()  # type: ignore[assignment]
+        self.manager = None  # /metrics reads it; the routes use require_manager()
+        self.starts = 0
+        self.stops = 0
+
+    async def start(self) -> None:
+        self.starts += 1
+
+    async def stop(self) -> None:
+        self.stops += 1
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        if not self.starts:
+            return False, {"status": "starting"}
+        return True, {"status": "ok", "models": self.model_ids()}
+
+    def require_manager(self) -> Any:
+        return self.adapters
+
+    def changed_anything(self) -> bool:
+        return bool(self.adapters.changes or self.supervisor.restart_requests or self.forwarded)
 
 
 class ProxiedBackend:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import ipaddress
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,9 +13,11 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loragate.gateway import routes_admin, routes_health, routes_inference, routes_metrics
+from loragate.gateway.admin_token import publish_admin_token, withdraw_admin_token
 from loragate.gateway.auth import KeyConfigError, check_key_settings
 from loragate.gateway.backend import GatewayBackend
-from loragate.gateway.errors import install_error_handlers
+from loragate.gateway.cross_site import is_loopback
+from loragate.gateway.errors import OpenAIError, install_error_handlers
 from loragate.gateway.inference_backend import InferenceBackend, as_gateway_backend
 from loragate.gateway.metrics import RequestObserver, route_path
 from loragate.gateway.openapi_schemas import install_openapi
@@ -24,6 +26,59 @@ from loragate.gateway.security_headers import SecurityHeaders
 from loragate.settings import Settings
 
 log = logging.getLogger("loragate.gateway")
+
+
+class BackendLifecycle:
+    """Starts and stops the backend, and publishes the per-start admin token with it.
+
+    The app's lifespan drives it. An app that gets no lifespan events (mounted in another app:
+    Starlette's ``Mount`` passes none on; or served with lifespan off) starts its backend on
+    its first request instead. It then stops only if the parent's lifespan runs this app's
+    (``gateway.router.lifespan_context(gateway)``, README "Embedding").
+    """
+
+    def __init__(self, gateway: Gateway, inference_keys: int) -> None:
+        self.gateway = gateway
+        self.inference_keys = inference_keys
+        self.started = False
+        self.stopped = False
+        self._lock = asyncio.Lock()
+
+    async def start(self, *, on_request: bool = False) -> None:
+        async with self._lock:
+            if self.started:
+                return
+            if on_request and self.stopped:
+                raise OpenAIError(503, "the gateway has stopped", code="gateway_stopped")
+            if on_request:
+                log.warning(
+                    "starting the backend on the first request: this app got no lifespan "
+                    "events (mounted in another app, or lifespan off); run its lifespan from "
+                    "the parent's so that it also stops cleanly"
+                )
+            gateway, settings = self.gateway, self.gateway.settings
+            token = gateway.admin_token
+            if token is None and settings.admin_key is None:
+                log.warning("admin routes are open without a key to clients on this machine")
+            if self.inference_keys:
+                log.info("inference routes need one of %d API keys", self.inference_keys)
+            else:
+                log.info("inference routes are open: no --api-key or --api-key-file was given")
+            await gateway.backend.start()
+            if token is not None:
+                path = publish_admin_token(settings.cache_dir, token)
+                log.info("admin routes need the per-start token in %s (no --admin-key given)", path)
+            self.started, self.stopped = True, False
+
+    async def stop(self) -> None:
+        async with self._lock:
+            if not self.started:
+                return
+            self.started, self.stopped = False, True
+            token = self.gateway.admin_token
+            if token is not None:
+                withdraw_admin_token(self.gateway.settings.cache_dir, token)
+            await self.gateway.backend.stop()
 
 
 class GatewayApp(FastAPI):
@@ -36,8 +91,25 @@ class GatewayApp(FastAPI):
     """
 
     fast_path: ASGIApp | None = None
+    lifecycle: BackendLifecycle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lifecycle = self.lifecycle
+        if lifecycle is not None and not lifecycle.started and scope["type"] == "http":
+            try:
+                await lifecycle.start(on_request=True)
+            except OpenAIError as exc:
+                await exc.response()(scope, receive, send)
+                return
+            except Exception:
+                log.exception("the gateway could not start its backend")
+                error = OpenAIError(
+                    503,
+                    "the gateway could not start its backend; see its log",
+                    code="backend_unavailable",
+                )
+                await error.response()(scope, receive, send)
+                return
         if (
             self.fast_path is not None
             and scope["type"] == "http"
@@ -48,15 +120,6 @@ class GatewayApp(FastAPI):
             await self.fast_path(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class AdminKeyRequired(KeyConfigError):
@@ -88,28 +151,22 @@ def create_app(
 
         backend = SupervisedEngineBackend(settings)
     gateway = Gateway(settings, backend)
+    lifecycle = BackendLifecycle(gateway, len(inference_keys))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.admin_key is None:
-            log.warning(
-                "admin routes are open without a key (the gateway listens on loopback only)"
-            )
-        if inference_keys:
-            log.info("inference routes need one of %d API keys", len(inference_keys))
-        else:
-            log.info("inference routes are open: no --api-key or --api-key-file was given")
-        await backend.start()
+        await lifecycle.start()
         try:
             yield
         finally:
-            await backend.stop()
+            await lifecycle.stop()
 
     docs: dict[str, Any] = (
         {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     )
     app = GatewayApp(title="loragate", version="0.1.0", lifespan=lifespan, **docs)
     app.state.gateway = gateway
+    app.lifecycle = lifecycle
     install_error_handlers(app)
     app.include_router(routes_health.router)
     app.include_router(routes_inference.router)

@@ -53,12 +53,22 @@ def _matches(presented: str, digests: list[bytes]) -> bool:
 class KeyChecker:
     """Checks requests against the inference keys (any may be used) and the admin key."""
 
-    def __init__(self, inference_keys: list[str], admin_key: str | None) -> None:
+    def __init__(
+        self, inference_keys: list[str], admin_key: str | None, *, per_start_token: bool = False
+    ) -> None:
         # The admin key works on the inference routes too: whoever administers may also ask.
         self._inference = [_digest(key) for key in inference_keys]
         if inference_keys and admin_key:
             self._inference.append(_digest(admin_key))
         self._admin = [_digest(admin_key)] if admin_key else []
+        self._admin_missing = (
+            "This admin route needs the admin key: send 'Authorization: Bearer <admin key>'."
+        )
+        if per_start_token:
+            self._admin_missing += (
+                " This gateway was started without --admin-key: its key is the token in the "
+                "admin-token file of its cache dir, which the gateway CLI on its machine reads."
+            )
 
     @property
     def inference_open(self) -> bool:
@@ -82,14 +92,11 @@ class KeyChecker:
 
     def check_admin(self, request: HasHeaders) -> None:
         if not self._admin:
-            return  # only allowed when bound to loopback; create_app enforces that
+            return  # open_admin: Gateway.check_admin_key lets only this machine's clients here
         presented = presented_key(request)
         if not presented:
             raise OpenAIError(
-                401,
-                "This admin route needs the admin key: send 'Authorization: Bearer <admin key>'.",
-                code="invalid_admin_key",
-                headers=_CHALLENGE,
+                401, self._admin_missing, code="invalid_admin_key", headers=_CHALLENGE
             )
         if not _matches(presented, self._admin):
             raise OpenAIError(

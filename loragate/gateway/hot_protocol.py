@@ -40,7 +40,12 @@ from loragate.gateway.metrics import (
     settle,
 )
 from loragate.gateway.proxy import _RelayResponse
-from loragate.gateway.request_body import check_declared_length, parse_json_object, too_large
+from loragate.gateway.request_body import (
+    check_declared_length,
+    check_json_content_type,
+    parse_json_object,
+    too_large,
+)
 from loragate.gateway.runtime import Gateway
 from loragate.gateway.security_headers import SECURITY_HEADERS
 
@@ -166,6 +171,7 @@ class HotRouteProtocol(HttpToolsProtocol):
         gateway = self.gateway
         request = HotRequest(cycle.scope["headers"])
         request_id = routes_inference.admit(gateway, request)
+        check_json_content_type(request.headers.get("content-type"))
         max_bytes = gateway.settings.max_body_bytes
         check_declared_length(request.headers.get("content-length"), max_bytes)
         payload = parse_json_object(await _read_body(cycle, max_bytes))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse, Response
 
 from loragate.adapters.manager import AdapterError, AdapterManager
@@ -16,14 +16,18 @@ from loragate.gateway.request_body import read_json_object
 from loragate.gateway.runtime import Gateway
 
 
-def _require_admin_key(request: Request) -> None:
-    # A router dependency runs before FastAPI validates a body: no unauthenticated client
-    # learns anything from how its body is judged, and no admin route can forget the check.
+def _admit_admin(request: Request) -> None:
+    # A router dependency: no admin route can forget the check. It runs before the handler
+    # and no handler declares a body, so nothing of a body is read before it passed.
     gateway: Gateway = request.app.state.gateway
-    gateway.keys.check_admin(request)
+    gateway.admit_admin(request, request.client.host if request.client else None)
 
 
-router = APIRouter(dependencies=[Depends(_require_admin_key)])
+router = APIRouter(dependencies=[Depends(_admit_admin)])
+
+# Admin bodies are a name and a source: a mebibyte is plenty, and bounds what a client with
+# the key can make the gateway buffer.
+ADMIN_MAX_BODY_BYTES = 1 << 20
 
 
 class AdapterRequest(BaseModel):
@@ -36,7 +40,6 @@ class AdapterRequest(BaseModel):
 
 def _engine_backend(request: Request) -> SupervisedEngineBackend:
     gateway: Gateway = request.app.state.gateway
-    gateway.keys.check_admin(request)
     backend = gateway.backend
     if not isinstance(backend, SupervisedEngineBackend):
         raise OpenAIError(
@@ -59,9 +62,24 @@ async def list_adapters(request: Request) -> dict[str, Any]:
     return {"object": "list", "base_model": manager.base_name, "data": manager.list()}
 
 
-@router.put("/admin/adapters/{name}")
-async def put_adapter(name: str, body: AdapterRequest, request: Request) -> dict[str, Any]:
+async def _adapter_request(request: Request) -> AdapterRequest:
+    # Read here, not as a FastAPI body parameter: FastAPI reads and parses those before any
+    # dependency runs, so an unauthenticated client could make it buffer any amount.
+    raw = await read_json_object(request, ADMIN_MAX_BODY_BYTES, limit_name="admin bodies")
+    try:
+        return AdapterRequest.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise OpenAIError(
+            400, f"{where}: {first['msg']}", param=where or None, code="invalid_request"
+        ) from None
+
+
+@router.put("/admin/adapters/{name}", openapi_extra=json_body(AdapterRequest.model_json_schema()))
+async def put_adapter(name: str, request: Request) -> dict[str, Any]:
     manager = _manager(request)
+    body = await _adapter_request(request)
     try:
         return await manager.put(name, body.source, body.revision, body.follow)
     except AdapterError as exc:
@@ -91,7 +109,7 @@ async def rollback_adapter(name: str, request: Request) -> dict[str, Any]:
 async def load_lora_adapter(request: Request) -> Response:
     """vLLM-compatible: goes through the manager (store, validation, versioned swap)."""
     manager = _manager(request)
-    body = await read_json_object(request, 1 << 20)
+    body = await read_json_object(request, ADMIN_MAX_BODY_BYTES, limit_name="admin bodies")
     name, path = body.get("lora_name"), body.get("lora_path")
     if not isinstance(name, str) or not isinstance(path, str):
         raise OpenAIError(
@@ -107,7 +125,7 @@ async def load_lora_adapter(request: Request) -> Response:
 @router.post("/v1/unload_lora_adapter", openapi_extra=json_body(UNLOAD_LORA_ADAPTER))
 async def unload_lora_adapter(request: Request) -> Response:
     manager = _manager(request)
-    body = await read_json_object(request, 1 << 20)
+    body = await read_json_object(request, ADMIN_MAX_BODY_BYTES, limit_name="admin bodies")
     name = body.get("lora_name")
     if not isinstance(name, str):
         raise OpenAIError(400, "send {'lora_name': NAME}", code="invalid_request")

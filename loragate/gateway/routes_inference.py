@@ -43,11 +43,13 @@ def _request_id(headers: Mapping[str, str]) -> str:
 
 
 def admit(gateway: Gateway, request: HasHeaders) -> str:
-    """Check the caller's key; the request id (recorded for the metrics and the access log)."""
+    """Check where the request comes from (``cross_site``) and the caller's key; the request
+    id (recorded for the metrics and the access log)."""
     request_id = _request_id(request.headers)
     observation = current_observation.get()
     if observation is not None:
         observation.request_id = request_id
+    gateway.cross_site.check_origin(request.headers)
     gateway.keys.check_inference(request)
     return request_id
 
@@ -72,6 +74,7 @@ def _target_model(gateway: Gateway, payload: dict[str, Any]) -> str:
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
+    gateway.cross_site.check_origin(request.headers)
     gateway.keys.check_inference(request)
     ids = gateway.backend.model_ids()
     created = int(gateway.started_at)

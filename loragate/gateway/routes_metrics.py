@@ -15,5 +15,5 @@ router = APIRouter()
 async def scrape(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     if not gateway.settings.metrics_public:
-        gateway.keys.check_admin(request)
+        gateway.check_admin_key(request, request.client.host if request.client else None)
     return Response(await metrics.render(gateway), media_type=metrics.CONTENT_TYPE)

@@ -7,22 +7,64 @@ import logging
 import time
 from typing import Any
 
-from loragate.gateway.auth import KeyChecker
+from loragate.gateway.admin_token import new_admin_token
+from loragate.gateway.auth import HasHeaders, KeyChecker
 from loragate.gateway.backend import GatewayBackend
 from loragate.gateway.chat_request import normalize_chat_request
+from loragate.gateway.cross_site import CrossSitePolicy, is_loopback
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.metrics import GatewayMetrics
 from loragate.gateway.parameters import Route, check_parameters
 from loragate.settings import Settings
+
+# Headers a reverse proxy adds: their presence means the client is not the peer we see.
+_FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
 
 
 class Gateway:
     def __init__(self, settings: Settings, backend: GatewayBackend) -> None:
         self.settings = settings
         self.backend = backend
-        self.keys = KeyChecker(settings.inference_keys(), settings.admin_key)
+        # Without an admin key, a per-start token is one (published at start: admin_token.py),
+        # unless open admin routes were asked for.
+        self.admin_token: str | None = None
+        if settings.admin_key is None and not settings.open_admin:
+            self.admin_token = new_admin_token()
+        self.keys = KeyChecker(
+            settings.inference_keys(),
+            settings.admin_key or self.admin_token,
+            per_start_token=self.admin_token is not None,
+        )
+        self.cross_site = CrossSitePolicy(
+            settings.cors_origins, settings.allowed_hosts, settings.host
+        )
         self.started_at = time.time()
         self.metrics = GatewayMetrics()
+
+    def admit_admin(self, request: HasHeaders, client_host: str | None) -> None:
+        """Where an admin request comes from, then its key: a web page gets no further than
+        the cross-site checks (``cross_site``)."""
+        self.cross_site.check_origin(request.headers)
+        self.cross_site.check_host(request.headers)
+        self.check_admin_key(request, client_host)
+
+    def check_admin_key(self, request: HasHeaders, client_host: str | None) -> None:
+        """The admin key; where admin routes are open (``open_admin``), a client on this machine.
+
+        A request a proxy forwarded is not from this machine, even when the proxy runs here.
+        """
+        if self.keys.admin_open and not (
+            client_host is not None
+            and is_loopback(client_host)
+            and not any(name in request.headers for name in _FORWARDING_HEADERS)
+        ):
+            raise OpenAIError(
+                403,
+                "This gateway's admin routes are open without a key to clients on its own "
+                "machine only; start it with --admin-key KEY to administer it from elsewhere.",
+                code="invalid_admin_key",
+            )
+        self.keys.check_admin(request)
 
     async def chat_request(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Check a chat request and bring it to OpenAI's shape (Vi requests included)."""
@@ -53,19 +95,24 @@ class Gateway:
 
 
 def server_options(app: Any = None) -> dict[str, Any]:
-    """uvicorn's fastest event loop and HTTP parser, where they are installed (the ``fast`` extra).
+    """The uvicorn options ``gateway serve`` runs ``app`` with.
 
-    uvloop and httptools roughly halve the time uvicorn itself spends per request. Given the
-    gateway's ``app`` (and CORS off), the HTTP protocol is ``hot_protocol``: uvicorn's, with
-    the inference POSTs answered without ASGI. uvicorn's X-Forwarded-For middleware is left
-    out: the gateway never uses the client's address, and it would cost a layer per request.
+    uvicorn's fastest event loop and HTTP parser, where they are installed (the ``fast``
+    extra): uvloop and httptools roughly halve the time uvicorn itself spends per request.
+    Given the gateway's ``app`` (and CORS off), the HTTP protocol is ``hot_protocol``:
+    uvicorn's, with the inference POSTs answered without ASGI; and its connections are bounded
+    (``limit_concurrency``). uvicorn's X-Forwarded-For middleware is left out: the gateway
+    uses the client's address only to keep ``open_admin`` to loopback clients, and a proxy's
+    header must not fake that.
     """
     options: dict[str, Any] = {"proxy_headers": False}
+    gateway = getattr(getattr(app, "state", None), "gateway", None)
+    if isinstance(gateway, Gateway):
+        options["limit_concurrency"] = gateway.settings.limit_concurrency
     if importlib.util.find_spec("uvloop") is not None:
         options["loop"] = "uvloop"
     if importlib.util.find_spec("httptools") is not None:
         options["http"] = "httptools"
-        gateway = getattr(getattr(app, "state", None), "gateway", None)
         if isinstance(gateway, Gateway) and getattr(app, "fast_path", None) is not None:
             from loragate.gateway.hot_protocol import fits_this_uvicorn, hot_protocol
 

@@ -256,7 +256,8 @@ PARAMETER_REFUSALS: dict[str, Refusal] = {
 def _send(gateway: GatewayProcess, refusal: Refusal) -> httpx.Response:
     url = f"{gateway.url}{refusal.path}"
     if isinstance(refusal.body, bytes):
-        return httpx.post(url, content=refusal.body, timeout=120)
+        json_type = {"Content-Type": "application/json"}
+        return httpx.post(url, content=refusal.body, headers=json_type, timeout=120)
     return httpx.post(url, json=refusal.body, timeout=120)
 
 

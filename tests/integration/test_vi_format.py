@@ -58,6 +58,7 @@ class InProcessGateway:
 
     def __init__(self, **options: Any) -> None:
         self.port = free_port()
+        self.cache_dir: Path = options["cache_dir"]
         app = loragate.create_server(**options)
         self.server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
@@ -284,7 +285,13 @@ def test_upstream_backend_supervises_nothing(upstream_gateway: InProcessGateway)
     health = httpx.get(f"{upstream_gateway.url}/health", timeout=5)
     assert health.status_code == 200
     assert set(health.json()["models"]) == {BASE, *PHRASES}
-    engine = httpx.get(f"{upstream_gateway.url}/admin/engine", timeout=5)
+    # No --admin-key: the per-start token in its cache dir is the admin key.
+    token = (upstream_gateway.cache_dir / "admin-token").read_text().strip()
+    engine = httpx.get(
+        f"{upstream_gateway.url}/admin/engine",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=5,
+    )
     assert engine.status_code == 404 and engine.json()["error"]["code"] == "not_supported"
 
 

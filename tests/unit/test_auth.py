@@ -49,7 +49,8 @@ def keyed(tmp_path: Path, backend: RecordingBackend) -> httpx.AsyncClient:
         tmp_path, api_key=["flag-key-1", "flag-key-2"], api_key_file=key_file, admin_key="the-admin"
     )
     app = create_app(settings, backend=backend)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gateway")
+    # A loopback name: admin routes answer only the gateway's own host names (cross_site).
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://127.0.0.1:8000")
 
 
 @pytest.mark.parametrize(
@@ -107,7 +108,9 @@ async def test_the_key_is_checked_before_the_body_is_read(
     keyed: httpx.AsyncClient, backend: RecordingBackend
 ) -> None:
     # An unauthenticated client cannot make the gateway parse (or buffer) anything.
-    response = await keyed.post("/v1/chat/completions", content=b"{not json")
+    response = await keyed.post(
+        "/v1/chat/completions", content=b"{not json", headers={"Content-Type": "text/plain"}
+    )
     assert response.status_code == 401
     assert backend.forwarded == []
 
@@ -208,12 +211,25 @@ def test_no_admin_key_beyond_loopback_refuses_to_start(tmp_path: Path) -> None:
 async def test_open_admin_routes_on_loopback_are_announced_at_start_up(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    app = create_app(settings_for(tmp_path, host="127.0.0.1"), backend=RecordingBackend())
+    settings = settings_for(tmp_path, host="127.0.0.1", open_admin=True)
+    app = create_app(settings, backend=RecordingBackend())
     with caplog.at_level(logging.INFO, logger="loragate.gateway"):
         async with app.router.lifespan_context(app):
             pass
     assert "admin routes are open without a key" in caplog.text
     assert "inference routes are open" in caplog.text
+
+
+async def test_without_an_admin_key_the_token_file_is_announced_at_start_up(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = create_app(settings_for(tmp_path, host="127.0.0.1"), backend=RecordingBackend())
+    with caplog.at_level(logging.INFO, logger="loragate.gateway"):
+        async with app.router.lifespan_context(app):
+            token = (tmp_path / "admin-token").read_text().strip()
+    assert f"per-start token in {tmp_path / 'admin-token'}" in caplog.text
+    assert "open without a key" not in caplog.text
+    assert token not in caplog.text
 
 
 async def test_no_key_ever_reaches_the_logs(

@@ -90,6 +90,8 @@ def raw_request(
     headers: dict[str, str] | None = None,
 ) -> bytes:
     lines = [f"{method} {path} HTTP/1.1", "Host: gateway", f"Content-Length: {len(body)}"]
+    if body:
+        lines.append("Content-Type: application/json")
     lines += [f"{name}: {value}" for name, value in {**AUTH, **(headers or {})}.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
@@ -281,7 +283,7 @@ def test_a_chunked_body_past_the_limit_is_refused(tmp_path: Path) -> None:
     with serving(app, as_served=True) as url, connection(url) as (sock, shared):
         head = (
             f"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nAuthorization: Bearer {KEY}"
-            "\r\nTransfer-Encoding: chunked\r\n\r\n"
+            "\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
         ).encode()
         sock.sendall(head + b"%x\r\n%s\r\n" % (600, b"x" * 600))
         sock.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (600, b"y" * 600))

@@ -19,6 +19,7 @@ from loragate.gateway.media import MediaPolicy
 from loragate.gateway.parameters import MAX_N, check_parameters
 from tests.backend_double import RecordingBackend, settings_for
 
+JSON = {"Content-Type": "application/json"}
 LIMITS = {
     "max_body_bytes": 64 * 1024,
     "max_messages": 3,
@@ -96,7 +97,7 @@ async def test_a_streamed_body_without_a_length_is_cut_off_at_the_cap(
         for _ in range(1000):  # 1 MB in 1 kB chunks, with no Content-Length to refuse up front
             yield b" " * 1024
 
-    await refused(client, backend, 413, "request_too_large", content=endless())
+    await refused(client, backend, 413, "request_too_large", content=endless(), headers=JSON)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +118,9 @@ async def test_malformed_json_is_a_400_that_says_so(
     client: httpx.AsyncClient, backend: RecordingBackend, raw: bytes, fragment: str
 ) -> None:
     for path in ("/v1/chat/completions", "/v1/completions"):
-        error = await refused(client, backend, 400, "invalid_json", path=path, content=raw)
+        error = await refused(
+            client, backend, 400, "invalid_json", path=path, content=raw, headers=JSON
+        )
         assert fragment in error["message"]
 
 

@@ -27,6 +27,7 @@ from loragate.supervisor.states import EngineState
 from tests.backend_double import ProxiedBackend
 
 ADMIN = "admin-key"
+JSON = {"Content-Type": "application/json"}
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -136,7 +137,9 @@ async def test_scrape_counts_known_traffic_by_model_and_status(engine: str, tmp_
         ).status_code == 200
         for bogus in ("no-such-model", "another-one"):
             assert (await client.post("/v1/chat/completions", json=chat(bogus))).status_code == 404
-        assert (await client.post("/v1/chat/completions", content=b"{not json")).status_code == 400
+        assert (
+            await client.post("/v1/chat/completions", content=b"{not json", headers=JSON)
+        ).status_code == 400
         assert (await client.get("/v1/models")).status_code == 200  # not an inference request
 
         scrape = await client.get("/metrics")
