@@ -239,10 +239,7 @@ def main(argv: list[str]) -> int:
     if serve_args:
         sys.stdout.write("\0".join(vision_serve_args(out)) + "\0")
     else:
-        print(
-            "Serve it with:\n  gateway serve "
-            + shlex.join(vision_serve_args(out))
-        )
+        print("Serve it with:\n  gateway serve " + shlex.join(vision_serve_args(out)))
     return 0
 
 
