@@ -107,6 +107,9 @@ class ManagedBackendDouble(RecordingBackend, SupervisedEngineBackend):
         self.adapters = AdapterManagerDouble()
         self.supervisor = EngineSupervisorDouble()  # type: ignore[assignment]
         self.manager = None  # /metrics reads it; the routes use require_manager()
+        self.memory_plan = None  # what /admin/engine reports beside the supervisor's info
+        self.cpu_lora_ops = False
+        self.zero_adapter = False
         self.starts = 0
         self.stops = 0
 
