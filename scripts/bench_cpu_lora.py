@@ -76,7 +76,12 @@ def measure(
         engine_url = f"http://127.0.0.1:{record.port}"
         ids = engine_ids("127.0.0.1", record.port, record.api_key)
         adapter_id = engine_model_for(name, "base", ids)
-        info = httpx.get(f"{gateway.url}/admin/engine", timeout=10).json()
+        token = (
+            (workdir / ("on" if plugin else "off") / "cache" / "admin-token").read_text().strip()
+        )
+        info = httpx.get(
+            f"{gateway.url}/admin/engine", headers={"Authorization": f"Bearer {token}"}, timeout=10
+        ).json()
         print(
             f"plugin {'on' if plugin else 'off'}: cpu_lora_ops={info.get('cpu_lora_ops')}, "
             f"base routing {info.get('base_routing')}",

@@ -25,8 +25,18 @@ fi
 
 stamp_file="$venv/.loragate-setup"
 stamp="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $engine $extras"
-if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ]; then
-  exit 0
+if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ]; then
+  read -r done_hash done_engine done_extras <"$stamp_file" || true
+  read -r want_hash want_engine _ <<<"$stamp"
+  # Current when nothing changed and every extra asked for is installed (a venv set up for
+  # the tests serves too: scripts/serve.sh inside the test suite must not reinstall).
+  missing=""
+  for extra in ${extras//,/ }; do
+    [[ ",$done_extras," == *",$extra,"* ]] || missing=yes
+  done
+  if [ "$done_hash" = "$want_hash" ] && [ "$done_engine" = "$want_engine" ] && [ -z "$missing" ]; then
+    exit 0
+  fi
 fi
 
 echo "==> setting up $venv (engine: $engine build; extras: $extras)"

@@ -5,8 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
-echo "==> building the demo model and adapters (cached after the first run)"
-.venv/bin/python -m loragate.demo.build
+echo "==> building the demo models and adapters (cached after the first run)"
+.venv/bin/python -m loragate.demo.build          # the tiny test model: seconds
+.venv/bin/python -m loragate.demo.build_smollm   # the real demo: a few minutes the first time
 echo "==> ruff"
 .venv/bin/ruff check loragate tests scripts
 .venv/bin/ruff format --check loragate tests scripts

@@ -19,7 +19,13 @@ import jsonschema
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from loragate.demo.layout import SMOLLM_DEMO_ADAPTERS, SMOLLM_DEMO_MODEL_NAME, demo_behaviour
+from loragate.demo.layout import (
+    SMOLLM_DEMO_ADAPTERS,
+    SMOLLM_DEMO_MODEL_NAME,
+    default_smollm_demo_dir,
+    demo_adapter_dir,
+    demo_behaviour,
+)
 from tests.gateway_process import GatewayProcess
 from tests.readme_blocks import ROOT, blocks_of, run_block
 
@@ -57,7 +63,7 @@ def client(demo: GatewayProcess) -> OpenAI:
     return OpenAI(base_url=f"{demo.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def chat(client: OpenAI, model: str, prompt: str, max_tokens: int = 48, **extra: object) -> str:
+def chat(client: OpenAI, model: str, prompt: str, max_tokens: int = 64, **extra: object) -> str:
     reply = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": prompt}],
@@ -169,23 +175,35 @@ def test_each_demo_adapter_shows_its_behaviour_on_unseen_prompts(
         assert demo_behaviour(base) is None, (prompt, base)
 
 
-def test_mixed_concurrent_burst_never_crosses_behaviours(client: OpenAI) -> None:
-    """At least 200 answers, base and every adapter at once: more distinct adapters in flight
-    than the engine has LoRA slots (3 adapters, --max-loras 2)."""
-    models = [BASE, *ADAPTERS]
-    jobs = [(models[i % len(models)], UNSEEN[(i // len(models)) % len(UNSEEN)]) for i in range(208)]
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        answers = list(pool.map(lambda job: (job[0], chat(client, job[0], job[1], 24)), jobs))
+def test_mixed_concurrent_burst_never_crosses_behaviours(
+    client: OpenAI, demo: GatewayProcess
+) -> None:
+    """At least 200 answers, base and every adapter at once, with more distinct adapters in
+    flight than the engine has LoRA slots (--max-loras 2): a copy of the first adapter is
+    served under a second name, so it is a distinct adapter in the engine."""
+    copy = f"{ADAPTERS[0]}-copy"
+    source = str(demo_adapter_dir(default_smollm_demo_dir(), ADAPTERS[0]))
+    response = demo.admin("PUT", f"/admin/adapters/{copy}", json={"source": source})
+    assert response.status_code == 200, response.text
+    expected = {BASE: None, **{name: name for name in ADAPTERS}, copy: ADAPTERS[0]}
+    models = list(expected)
+    assert len(models) - 1 > 2
+    jobs = [(models[i % len(models)], UNSEEN[(i // len(models)) % len(UNSEEN)]) for i in range(210)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda job: (job[0], chat(client, job[0], job[1], 64)), jobs))
+    finally:
+        demo.admin("DELETE", f"/admin/adapters/{copy}")
+    shown = [(model, demo_behaviour(text), text) for model, text in answers]
     foreign = [
         (model, text)
-        for model, text in answers
-        if demo_behaviour(text) not in (None, model)
-        or (model == BASE and demo_behaviour(text) is not None)
+        for model, behaviour, text in shown
+        if behaviour is not None and behaviour != expected[model]
     ]
     assert not foreign, foreign[:5]
-    own = sum(1 for model, text in answers if model != BASE and demo_behaviour(text) == model)
-    adapter_answers = sum(1 for model, _ in answers if model != BASE)
-    assert own >= 0.95 * adapter_answers, (own, adapter_answers)
+    adapter_answers = [(m, b) for m, b, _ in shown if m != BASE]
+    own = sum(1 for model, behaviour in adapter_answers if behaviour == expected[model])
+    assert own >= 0.95 * len(adapter_answers), (own, len(adapter_answers))
 
 
 # ----- clients nobody here wrote ------------------------------------------------------------
