@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         name, _, source = args.adapter.partition("=")
         adapter = (name, source)
     if model is None or adapter is None:
-        from loragate.demo.layout import SMOLLM_DEMO_ADAPTERS, demo_adapter_dir, ensure_smollm_demo
+        from loragate.demo.layout import SMOLLM_ADAPTERS, demo_adapter_dir, ensure_smollm_demo
 
         demo = ensure_smollm_demo()
         model = model or str(demo / "base")
-        first = SMOLLM_DEMO_ADAPTERS[0].name
+        first = SMOLLM_ADAPTERS[0].name
         adapter = adapter or (first, str(demo_adapter_dir(demo, first)))
     print(f"model {model}, adapter {adapter[0]}, {args.rounds} rounds", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-cpu-lora-") as tmp:

