@@ -32,8 +32,8 @@ import psutil
 from loragate import plain_http
 from loragate.supervisor.engine_command import EngineSpec, engine_argv, engine_env, redacted
 from loragate.supervisor.engine_log import open_engine_log, tail_lines
+from loragate.supervisor.engine_socket import EngineSocket, EngineSocketError
 from loragate.supervisor.pidfile import EnginePidFile
-from loragate.supervisor.ports import find_free_port, port_is_free
 from loragate.supervisor.process_tree import kill_tree_now, stop_tree
 from loragate.supervisor.states import (
     RECOVERING,
@@ -44,15 +44,24 @@ from loragate.supervisor.states import (
 
 log = logging.getLogger("loragate.supervisor")
 
-SpecBuilder = Callable[[int, str], EngineSpec]
+SpecBuilder = Callable[[Path, str], EngineSpec]
 StateListener = Callable[[EngineState, str], None]
 ReadyHook = Callable[[], Awaitable[None]]
 
 
+# Names no address: every client connects to the endpoint's socket. A request that took this
+# URL without the socket fails to resolve "engine" instead of reaching some TCP port.
+ENGINE_BASE_URL = "http://engine"
+
+
 @dataclass(frozen=True)
 class EngineEndpoint:
-    base_url: str
+    """Where the engine listens: the Unix socket ``uds`` (see ``engine_socket``), reached with
+    ``base_url`` for paths and the Host header, and ``api_key``, its per-boot key."""
+
+    uds: str
     api_key: str
+    base_url: str = ENGINE_BASE_URL
 
     @property
     def headers(self) -> dict[str, str]:
@@ -188,13 +197,12 @@ class EngineSupervisor:
         *,
         cache_dir: Path,
         timings: SupervisorTimings | None = None,
-        engine_port: int | None = None,
     ) -> None:
         self._build_spec = build_spec
         self.timings = timings or SupervisorTimings()
         self.log_path = cache_dir / "logs" / "engine.log"
         self._pidfile = EnginePidFile(cache_dir)
-        self._preferred_port = engine_port
+        self._socket = EngineSocket(cache_dir)
         self.state = EngineState.STOPPED
         self.reason = "not started"
         self.state_since = time.time()
@@ -262,6 +270,7 @@ class EngineSupervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._life_task
         await self._terminate(graceful=True)
+        self._socket.remove()
         self._transition(EngineState.STOPPED, "stopped")
 
     async def restart(self, reason: str = "restart requested by an admin") -> None:
@@ -464,17 +473,13 @@ class EngineSupervisor:
 
     # ----- process handling --------------------------------------------------------------
 
-    def _pick_port(self) -> int:
-        if self._preferred_port is not None and port_is_free("127.0.0.1", self._preferred_port):
-            return self._preferred_port
-        port = find_free_port("127.0.0.1")
-        self._preferred_port = port
-        return port
-
     async def _spawn(self) -> None:
-        port = self._pick_port()
+        try:
+            socket_path = self._socket.path_for_boot()
+        except (EngineSocketError, OSError) as exc:
+            raise _BootFailed(f"cannot prepare the engine's socket: {exc}", permanent=True) from exc
         api_key = secrets.token_urlsafe(24)
-        spec = self._build_spec(port, api_key)
+        spec = self._build_spec(socket_path, api_key)
         self._served_name = spec.served_name
         argv = engine_argv(spec)
         env = engine_env(spec)
@@ -495,7 +500,7 @@ class EngineSupervisor:
             log_handle.close()
         self._pidfile.write(self._proc.pid)
         self._spawned_at = time.time()
-        self.endpoint = EngineEndpoint(f"http://127.0.0.1:{port}", api_key)
+        self.endpoint = EngineEndpoint(str(socket_path), api_key)
         self._exit = _exit_future(self._proc)
 
     def _record_exit(self) -> ExitInfo:
@@ -525,7 +530,7 @@ class EngineSupervisor:
         timeout = self.timings.probe_timeout
         try:
             response = await plain_http.request(
-                "GET", f"{endpoint.base_url}/health", timeout=timeout
+                "GET", f"{endpoint.base_url}/health", timeout=timeout, uds=endpoint.uds
             )
             if response.status != 200:
                 return False
@@ -534,6 +539,7 @@ class EngineSupervisor:
                     "POST",
                     f"{endpoint.base_url}/v1/completions",
                     timeout=timeout,
+                    uds=endpoint.uds,
                     headers=endpoint.headers,
                     json={"model": self._served_name, "prompt": "ping", "max_tokens": 1},
                 )
