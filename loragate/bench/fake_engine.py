@@ -8,6 +8,9 @@ raw asyncio protocol with httptools' parser, so it costs far less per request th
 sits in front of it.
 
     python -m loragate.bench.fake_engine --port 8100 [--api-key KEY] [--served-model-name NAME]
+
+For the supervisor's tests of stubborn engines: ``--ignore-sigterm`` makes it ignore SIGTERM,
+and ``--child`` starts a child process that ignores SIGTERM (as a stuck EngineCore would).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -243,27 +247,36 @@ async def start_unix_server(state: FakeEngine, path: str) -> asyncio.Server:
     return await loop.create_unix_server(lambda: _Request(state), path, backlog=1024)
 
 
-async def serve(listen: Listen, state: FakeEngine) -> None:
+async def serve(listen: Listen, state: FakeEngine, ignore_sigterm: bool = False) -> None:
     if listen.uds is not None:
         server = await start_unix_server(state, listen.uds)
     else:
         server = await start_server(state, listen.host, listen.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGINT,) if ignore_sigterm else (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with server:
         await stop.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
-    listen, state = parse_args(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    listen, state = parse_args(args)
+    ignore_sigterm = "--ignore-sigterm" in args
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "--child" in args:
+        stubborn = (
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"
+        )
+        subprocess.Popen([sys.executable, "-c", stubborn])
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(listen, state))
+        asyncio.run(serve(listen, state, ignore_sigterm))
     else:
-        uvloop.run(serve(listen, state))
+        uvloop.run(serve(listen, state, ignore_sigterm))
     return 0
 
 

@@ -34,7 +34,7 @@ from loragate.supervisor.engine_command import EngineSpec, engine_argv, engine_e
 from loragate.supervisor.engine_log import open_engine_log, tail_lines
 from loragate.supervisor.engine_socket import EngineSocket, EngineSocketError
 from loragate.supervisor.pidfile import EnginePidFile
-from loragate.supervisor.process_tree import kill_tree_now, stop_tree
+from loragate.supervisor.process_tree import ENGINE_TAG, kill_tagged, kill_tree_now, stop_tree
 from loragate.supervisor.states import (
     RECOVERING,
     SERVING,
@@ -210,6 +210,7 @@ class EngineSupervisor:
         self.restarts = 0
         self.last_exit: ExitInfo | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._tag: str | None = None  # the current boot's ENGINE_TAG
         self._exit: asyncio.Future[int] | None = None
         self._spawned_at: float | None = None
         self._failures: deque[float] = deque()
@@ -421,7 +422,7 @@ class EngineSupervisor:
         deadline = time.monotonic() + self.timings.startup_timeout
         while not await self._probe():
             if self._exit.done():
-                info = self._record_exit()
+                info = await self._reap()
                 lines = current_boot(tail_lines(self.log_path, 400, max_bytes=256 * 1024))
                 cause = root_cause(lines)
                 raise _BootFailed(
@@ -449,7 +450,7 @@ class EngineSupervisor:
         while True:
             await asyncio.wait({self._exit}, timeout=self.timings.probe_interval)
             if self._exit.done():
-                return f"engine {self._record_exit().describe()}"
+                return f"engine {(await self._reap()).describe()}"
             if await self._probe():
                 failures = 0
                 if self.state == EngineState.UNHEALTHY:
@@ -460,7 +461,7 @@ class EngineSupervisor:
                 continue
             if failures >= self.timings.probe_failures:
                 await self._terminate(graceful=False)
-                self._record_exit()
+                await self._reap()
                 return (
                     f"engine stopped answering health probes ({failures} in a row, "
                     f"{self.timings.probe_timeout:g} s timeout); killed it"
@@ -474,6 +475,7 @@ class EngineSupervisor:
     # ----- process handling --------------------------------------------------------------
 
     async def _spawn(self) -> None:
+        await self._sweep(self._tag)  # nothing of an earlier boot outlives it, whatever ended it
         try:
             socket_path = self._socket.path_for_boot()
         except (EngineSocketError, OSError) as exc:
@@ -484,7 +486,11 @@ class EngineSupervisor:
         argv = engine_argv(spec)
         env = engine_env(spec)
         env["LORAGATE_PARENT_PID"] = str(os.getpid())
-        launcher = [sys.executable, "-m", "loragate.supervisor.launcher", "--", *argv]
+        self._tag = secrets.token_hex(8)
+        env[ENGINE_TAG] = self._tag
+        grace = f"{self.timings.stop_timeout:g}"
+        launcher = [sys.executable, "-m", "loragate.supervisor.launcher", "--grace", grace, "--"]
+        launcher += argv
         log_handle = open_engine_log(self.log_path)
         log.info("spawning engine: %s", " ".join(redacted(argv)))
         try:
@@ -498,10 +504,27 @@ class EngineSupervisor:
             )
         finally:
             log_handle.close()
-        self._pidfile.write(self._proc.pid)
+        self._pidfile.write(self._proc.pid, self._tag)
         self._spawned_at = time.time()
         self.endpoint = EngineEndpoint(str(socket_path), api_key)
         self._exit = _exit_future(self._proc)
+
+    async def _reap(self) -> ExitInfo:
+        """Record the launcher's exit and kill whatever of its boot still runs: when the
+        launcher itself was killed, the engine's processes are no longer under it."""
+        info = self._record_exit()
+        await self._sweep(self._tag)
+        return info
+
+    async def _sweep(self, tag: str | None) -> None:
+        """SIGKILL every process left of the boot tagged ``tag``."""
+        if tag is None:
+            return
+        killed = await asyncio.to_thread(kill_tagged, tag)
+        if killed:
+            log.warning("killed leftover engine processes of an ended boot: %s", killed)
+        if self._tag == tag:
+            self._tag = None
 
     def _record_exit(self) -> ExitInfo:
         assert self._proc is not None
@@ -511,17 +534,20 @@ class EngineSupervisor:
         return info
 
     async def _terminate(self, graceful: bool) -> None:
-        proc = self._proc
+        # This boot's, taken now: supervision may spawn the next one while this awaits.
+        proc, exited, tag = self._proc, self._exit, self._tag
         if proc is None:
             return
         if graceful:
             await asyncio.to_thread(stop_tree, proc.pid, self.timings.stop_timeout)
         else:
             await asyncio.to_thread(kill_tree_now, proc.pid)
-        if self._exit is not None:
+        if exited is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._exit), 10)
-        self._pidfile.clear()
+                await asyncio.wait_for(asyncio.shield(exited), 10)
+        await self._sweep(tag)
+        if self._proc is proc:
+            self._pidfile.clear()
 
     async def _probe(self) -> bool:
         endpoint = self.endpoint

@@ -1,4 +1,9 @@
-"""Stopping a process, its process group and every descendant: SIGTERM first, SIGKILL after."""
+"""Stopping a process, its process group and every descendant: SIGTERM first, SIGKILL after.
+
+Each engine boot also carries a tag in its environment (``ENGINE_TAG``), inherited by every
+process it starts: when the launcher is gone, its group and its descendants can no longer be
+found from it, and the tag still finds them (even one that left the group).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import signal
 import time
 
 import psutil
+
+ENGINE_TAG = "LORAGATE_ENGINE_TAG"
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -67,3 +74,24 @@ def kill_tree_now(pid: int) -> None:
             proc.kill()
     deadline = time.monotonic() + 5
     psutil.wait_procs(victims, timeout=max(0.0, deadline - time.monotonic()))
+
+
+def tagged(tag: str) -> list[psutil.Process]:
+    """The live processes whose environment carries ``ENGINE_TAG=tag`` (this user's, or all
+    for root: another user's environment cannot be read)."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.environ().get(ENGINE_TAG) == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+def kill_tagged(tag: str, timeout: float = 5.0) -> list[int]:
+    """SIGKILL every process of the boot tagged ``tag``; their pids. Blocks up to ``timeout``."""
+    victims = tagged(tag)
+    for proc in victims:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(victims, timeout=timeout)
+    return [proc.pid for proc in victims]
