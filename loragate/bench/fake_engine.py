@@ -10,7 +10,8 @@ sits in front of it.
     python -m loragate.bench.fake_engine --port 8100 [--api-key KEY] [--served-model-name NAME]
 
 For the supervisor's tests of stubborn engines: ``--ignore-sigterm`` makes it ignore SIGTERM,
-and ``--child`` starts a child process that ignores SIGTERM (as a stuck EngineCore would).
+and ``--child`` starts a child process that ignores SIGTERM and renames itself (as vLLM's
+EngineCore does, with setproctitle).
 """
 
 from __future__ import annotations
@@ -267,8 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     if ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if "--child" in args:
+        # Renamed like vLLM's EngineCore: setproctitle overwrites what /proc/PID/environ shows.
         stubborn = (
-            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"
+            "import signal, time, setproctitle; "
+            "setproctitle.setproctitle('FAKE::EngineCore, renamed like vLLM renames its own'); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"
         )
         subprocess.Popen([sys.executable, "-c", stubborn])
     try:

@@ -34,7 +34,7 @@ from loragate.supervisor.engine_command import EngineSpec, engine_argv, engine_e
 from loragate.supervisor.engine_log import open_engine_log, tail_lines
 from loragate.supervisor.engine_socket import EngineSocket, EngineSocketError
 from loragate.supervisor.pidfile import EnginePidFile
-from loragate.supervisor.process_tree import ENGINE_TAG, kill_tagged, kill_tree_now, stop_tree
+from loragate.supervisor.process_tree import ENGINE_TAG, kill_boot, kill_tree_now, stop_tree
 from loragate.supervisor.states import (
     RECOVERING,
     SERVING,
@@ -89,6 +89,16 @@ class ExitInfo:
 
 
 @dataclass(frozen=True)
+class BootMark:
+    """What finds a boot's processes once its launcher is gone: the launcher's pid (their
+    process group) and start time, and the tag in their environment."""
+
+    tag: str
+    group: int
+    started: float
+
+
+@dataclass(frozen=True)
 class SupervisorTimings:
     startup_timeout: float = 900.0
     probe_interval: float = 5.0
@@ -128,7 +138,7 @@ _WRAPPER_ERRORS = (
     "Engine process failed to start",
 )
 _BOOT_BANNER = "===== loragate: engine boot at"
-# Start-up errors that another attempt can fix by itself (the supervisor picks a new port).
+# Start-up errors that another attempt can fix by itself (the next boot removes a stale socket).
 _TRANSIENT_ERRORS = ("Address already in use", "EADDRINUSE")
 
 
@@ -210,7 +220,7 @@ class EngineSupervisor:
         self.restarts = 0
         self.last_exit: ExitInfo | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._tag: str | None = None  # the current boot's ENGINE_TAG
+        self._boot_mark: BootMark | None = None
         self._exit: asyncio.Future[int] | None = None
         self._spawned_at: float | None = None
         self._failures: deque[float] = deque()
@@ -475,7 +485,7 @@ class EngineSupervisor:
     # ----- process handling --------------------------------------------------------------
 
     async def _spawn(self) -> None:
-        await self._sweep(self._tag)  # nothing of an earlier boot outlives it, whatever ended it
+        await self._sweep(self._boot_mark)  # nothing of an earlier boot outlives it
         try:
             socket_path = self._socket.path_for_boot()
         except (EngineSocketError, OSError) as exc:
@@ -486,8 +496,8 @@ class EngineSupervisor:
         argv = engine_argv(spec)
         env = engine_env(spec)
         env["LORAGATE_PARENT_PID"] = str(os.getpid())
-        self._tag = secrets.token_hex(8)
-        env[ENGINE_TAG] = self._tag
+        tag = secrets.token_hex(8)
+        env[ENGINE_TAG] = tag
         grace = f"{self.timings.stop_timeout:g}"
         launcher = [sys.executable, "-m", "loragate.supervisor.launcher", "--grace", grace, "--"]
         launcher += argv
@@ -504,7 +514,10 @@ class EngineSupervisor:
             )
         finally:
             log_handle.close()
-        self._pidfile.write(self._proc.pid, self._tag)
+        self._boot_mark = BootMark(
+            tag, self._proc.pid, psutil.Process(self._proc.pid).create_time()
+        )
+        self._pidfile.write(self._proc.pid, tag)
         self._spawned_at = time.time()
         self.endpoint = EngineEndpoint(str(socket_path), api_key)
         self._exit = _exit_future(self._proc)
@@ -513,18 +526,18 @@ class EngineSupervisor:
         """Record the launcher's exit and kill whatever of its boot still runs: when the
         launcher itself was killed, the engine's processes are no longer under it."""
         info = self._record_exit()
-        await self._sweep(self._tag)
+        await self._sweep(self._boot_mark)
         return info
 
-    async def _sweep(self, tag: str | None) -> None:
-        """SIGKILL every process left of the boot tagged ``tag``."""
-        if tag is None:
+    async def _sweep(self, mark: BootMark | None) -> None:
+        """SIGKILL every process left of the boot ``mark`` names."""
+        if mark is None:
             return
-        killed = await asyncio.to_thread(kill_tagged, tag)
+        killed = await asyncio.to_thread(kill_boot, mark.tag, mark.group, mark.started)
         if killed:
             log.warning("killed leftover engine processes of an ended boot: %s", killed)
-        if self._tag == tag:
-            self._tag = None
+        if self._boot_mark == mark:
+            self._boot_mark = None
 
     def _record_exit(self) -> ExitInfo:
         assert self._proc is not None
@@ -535,7 +548,7 @@ class EngineSupervisor:
 
     async def _terminate(self, graceful: bool) -> None:
         # This boot's, taken now: supervision may spawn the next one while this awaits.
-        proc, exited, tag = self._proc, self._exit, self._tag
+        proc, exited, mark = self._proc, self._exit, self._boot_mark
         if proc is None:
             return
         if graceful:
@@ -545,7 +558,7 @@ class EngineSupervisor:
         if exited is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(exited), 10)
-        await self._sweep(tag)
+        await self._sweep(mark)
         if self._proc is proc:
             self._pidfile.clear()
 

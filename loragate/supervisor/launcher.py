@@ -11,8 +11,10 @@ that group. What ends what, for every way one of them can die:
   (``EngineSupervisor``, by the boot's ``LORAGATE_ENGINE_TAG``);
 - SIGTERM or SIGINT to the launcher: forwarded to the engine for a graceful exit, and the
   group gets SIGKILL if the engine has not exited ``--grace`` seconds later;
-- the engine exits: whatever it left in the group gets SIGTERM, then SIGKILL after a short
-  grace, and the launcher exits with the engine's status (128 + N for a signal N).
+- the engine exits: whatever it left in the group gets SIGKILL at once (vLLM's EngineCore
+  and Worker serve nothing without their API server, and a launcher that lingered would keep
+  the gateway from seeing the exit: it would blame its health probes instead), and the
+  launcher exits with the engine's status (128 + N for a signal N).
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ from loragate.supervisor.parent_death import set_parent_death_signal
 
 PARENT_DIED = signal.SIGUSR1
 DEFAULT_GRACE = 20.0
-# After the engine itself has exited, what it left behind gets this long to go.
-LEFTOVER_GRACE = 3.0
 
 
 def _others_in_group(group: int) -> list[psutil.Process]:
@@ -46,17 +46,13 @@ def _others_in_group(group: int) -> list[psutil.Process]:
     return members
 
 
-def end_leftovers(group: int, grace: float) -> None:
-    """SIGTERM every other member of ``group``, then SIGKILL those still there after ``grace``."""
+def end_leftovers(group: int) -> None:
+    """SIGKILL every other member of ``group`` and wait for them to go."""
     leftovers = _others_in_group(group)
     for proc in leftovers:
         with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, alive = psutil.wait_procs(leftovers, timeout=grace)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
             proc.kill()
-    psutil.wait_procs(alive, timeout=5)
+    psutil.wait_procs(leftovers, timeout=5)
 
 
 def _engine_preexec(launcher: int) -> None:
@@ -119,7 +115,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.setitimer(signal.ITIMER_REAL, 0)
-    end_leftovers(group, min(grace, LEFTOVER_GRACE))
+    end_leftovers(group)
     return code if code >= 0 else 128 - code
 
 

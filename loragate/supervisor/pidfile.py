@@ -3,7 +3,7 @@
 The gateway holds an flock on ``gateway.lock`` for its whole life. ``engine.pid`` records the
 engine launcher's pid and start time and the boot's tag (``process_tree.ENGINE_TAG``); a new
 gateway that finds it (after a crash or SIGKILL of the old one) ends that engine tree, and
-every process still carrying the tag, before spawning its own.
+whatever is left of that boot, before spawning its own.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import IO
 
 import psutil
 
-from loragate.supervisor.process_tree import kill_tagged, kill_tree_now
+from loragate.supervisor.process_tree import kill_boot, kill_tree_now
 
 log = logging.getLogger("loragate.supervisor")
 
@@ -80,8 +80,8 @@ class EnginePidFile:
 
     def end_stale_engine(self) -> int | None:
         """Kill the engine a previous gateway left behind: the launcher's tree if the launcher
-        still runs, and every process carrying the boot's tag (the launcher may be gone and its
-        engine left); the launcher's pid if it still ran, else None."""
+        still runs, and what is left of its boot if not (``process_tree.boot_processes``); the
+        launcher's pid if it still ran, else None."""
         try:
             record = json.loads(self.path.read_text())
         except (OSError, ValueError):
@@ -92,20 +92,19 @@ class EnginePidFile:
             return None
         ended: int | None = None
         try:
-            proc = psutil.Process(int(record["pid"]))
-            if abs(proc.create_time() - float(record["create_time"])) < 0.01:
-                ended = proc.pid
-        except (TypeError, ValueError, KeyError, psutil.Error):
-            pass  # gone, or the pid now belongs to another process: leave it alone
+            pid, started = int(record["pid"]), float(record["create_time"])
+        except (TypeError, ValueError, KeyError):
+            self.clear()
+            return None
+        with contextlib.suppress(psutil.Error):
+            if abs(psutil.Process(pid).create_time() - started) < 0.01:
+                ended = pid  # else gone, or the pid now names another process: spared
         if ended is not None:
             log.warning("ending a stale engine (pid %s) left by a previous gateway", ended)
             kill_tree_now(ended)
         tag = record.get("tag")
-        if isinstance(tag, str) and tag:
-            leftovers = kill_tagged(tag)
-            if leftovers:
-                log.warning(
-                    "ended stale engine processes left by a previous gateway: %s", leftovers
-                )
+        leftovers = kill_boot(tag if isinstance(tag, str) and tag else None, pid, started)
+        if leftovers:
+            log.warning("ended stale engine processes left by a previous gateway: %s", leftovers)
         self.clear()
         return ended
