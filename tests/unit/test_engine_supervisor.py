@@ -49,9 +49,9 @@ FAST = SupervisorTimings(
 
 
 def supervisor(tmp_path: Path, command: list[str], **timings: float) -> EngineSupervisor:
-    def build(port: int, api_key: str) -> EngineSpec:
+    def build(socket_path: Path, api_key: str) -> EngineSpec:
         return EngineSpec(
-            model="fake", served_name="fake", port=port, api_key=api_key,
+            model="fake", served_name="fake", socket_path=socket_path, api_key=api_key,
             max_loras=1, max_lora_rank=8, command=command,
         )  # fmt: skip
 
@@ -166,13 +166,13 @@ async def test_supervisor_error_ends_failed_and_an_admin_restart_recovers(
 ) -> None:
     calls = 0
 
-    def build(port: int, api_key: str) -> EngineSpec:
+    def build(socket_path: Path, api_key: str) -> EngineSpec:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise OSError("cannot spawn: no such file")  # e.g. Popen failing
         return EngineSpec(
-            model="fake", served_name="fake", port=port, api_key=api_key,
+            model="fake", served_name="fake", socket_path=socket_path, api_key=api_key,
             max_loras=1, max_lora_rank=8, command=FAKE_ENGINE,
         )  # fmt: skip
 
