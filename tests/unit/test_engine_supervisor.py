@@ -8,6 +8,7 @@ seconds. The real engine's version of these lives in tests/integration.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
@@ -192,6 +193,8 @@ async def test_requests_wait_for_a_restart_and_a_full_queue_is_refused(
     running: EngineSupervisor,
 ) -> None:
     running.queue_size = 2
+    # A restart slow enough that the queue is still full when the third request comes.
+    running.timings = dataclasses.replace(FAST, restart_backoff=3, restart_backoff_max=3)
     pid = running.engine_pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
