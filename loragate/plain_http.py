@@ -117,15 +117,20 @@ async def request(
     timeout: float,
     headers: dict[str, str] | None = None,
     json: Any = None,
+    uds: str | None = None,
 ) -> PlainResponse:
     """Send one request to an ``http://`` or ``https://`` URL; any answer status is returned.
 
-    Raises ``PlainHTTPError`` when nothing answers within ``timeout`` seconds, in full.
+    With ``uds``, connect to that Unix socket instead of the URL's host and port (the URL
+    still gives the path and the Host header). Raises ``PlainHTTPError`` when nothing answers
+    within ``timeout`` seconds, in full.
     """
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {url!r}")
     tls = parts.scheme == "https"
+    if tls and uds is not None:
+        raise ValueError("a Unix socket carries plain http:// only")
     host = parts.hostname
     port = parts.port or (443 if tls else 80)  # a bad port raises ValueError here
     authority = parts.netloc.rpartition("@")[2]  # no credentials in the Host header
@@ -141,19 +146,23 @@ async def request(
     answered = False
     try:
         async with asyncio.timeout(timeout):
-            _, exchange = await loop.create_connection(
-                lambda: _Exchange(head + body),
-                host,
-                port,
-                ssl=_tls_context() if tls else None,
-            )
+            if uds is not None:
+                _, exchange = await loop.create_unix_connection(lambda: _Exchange(head + body), uds)
+            else:
+                _, exchange = await loop.create_connection(
+                    lambda: _Exchange(head + body),
+                    host,
+                    port,
+                    ssl=_tls_context() if tls else None,
+                )
             response = await exchange.done
             answered = True
             return response
     except TimeoutError as exc:
         raise PlainHTTPError(f"no answer from {url} within {timeout:g} s") from exc
     except OSError as exc:  # ssl.SSLError included
-        raise PlainHTTPError(f"{url} is not reachable: {exc.strerror or exc}") from exc
+        where = f"{url} (socket {uds})" if uds is not None else url
+        raise PlainHTTPError(f"{where} is not reachable: {exc.strerror or exc}") from exc
     finally:
         # Timed out or cancelled (which cancels ``done`` too): drop the socket now, not when
         # the server closes it; a hung engine would otherwise cost a descriptor per probe.

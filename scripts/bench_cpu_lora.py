@@ -73,8 +73,7 @@ def measure(
     try:
         gateway.wait_ready(900)
         record = gateway.engine()
-        engine_url = f"http://127.0.0.1:{record.port}"
-        ids = engine_ids("127.0.0.1", record.port, record.api_key)
+        ids = engine_ids(record)
         adapter_id = engine_model_for(name, "base", ids)
         token = (
             (workdir / ("on" if plugin else "off") / "cache" / "admin-token").read_text().strip()
@@ -87,23 +86,24 @@ def measure(
             f"base routing {info.get('base_routing')}",
             flush=True,
         )
-        calls = {
-            "engine base": (engine_url, record.api_key, "base"),
-            "gateway base": (gateway.url, None, "base"),
-            "engine adapter": (engine_url, record.api_key, adapter_id),
-            "gateway adapter": (gateway.url, None, name),
-        }
         results: dict[int, dict[str, list[float]]] = {}
-        with httpx.Client(timeout=300) as client:
+        # The engine listens on its Unix socket: its own client.
+        with httpx.Client(timeout=300) as client, record.client(timeout=300) as direct:
+            calls = {
+                "engine base": (direct, record.url, record.api_key, "base"),
+                "gateway base": (client, gateway.url, None, "base"),
+                "engine adapter": (direct, record.url, record.api_key, adapter_id),
+                "gateway adapter": (client, gateway.url, None, name),
+            }
             for max_tokens in (1, 32):
                 for path in PATHS:  # warm every path once
-                    ask(client, *calls[path], max_tokens)
+                    ask(*calls[path], max_tokens)
                 samples: dict[str, list[float]] = {path: [] for path in PATHS}
                 for _ in range(rounds):
                     order = list(PATHS)
                     random.shuffle(order)
                     for path in order:
-                        samples[path].append(ask(client, *calls[path], max_tokens))
+                        samples[path].append(ask(*calls[path], max_tokens))
                 results[max_tokens] = samples
         return results
     finally:

@@ -1,9 +1,10 @@
-"""Runs the engine command it is given, after writing down the port and key it will listen on.
+"""Runs the engine command it is given, after writing down where it will listen and its key.
 
 The bench gives ``gateway serve`` this as its engine command (``engine_command`` in a config
 file): ``python -m loragate.bench.engine_tap RECORD_FILE -- python -m vllm.entrypoints...``.
-The supervisor appends the engine's flags (``--port``, ...) and puts the per-boot key in
-``VLLM_API_KEY``; the tap writes both to RECORD_FILE (created 0600, in the bench's private
+The supervisor appends the engine's flags (``--uds``, ...) and puts the per-boot key in
+``VLLM_API_KEY``; the tap writes the socket path (or ``--port``, for engines started by
+hand) and the key to RECORD_FILE (created 0600, in the bench's private
 temporary directory) so the bench can send the same requests to the engine directly, then
 becomes the engine with ``exec``: same pid, so the supervisor's process handling is
 untouched. Nothing here is part of the gateway, and nothing in the gateway exposes the
@@ -35,12 +36,13 @@ def main(argv: list[str]) -> int:
         return 2
     record, engine = argv[0], argv[2:]
     port = flag(engine, "--port")
+    uds = flag(engine, "--uds")
     fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as handle:
         # The supervisor hands the key over in VLLM_API_KEY (older versions: --api-key).
         key = os.environ.get("VLLM_API_KEY") or flag(engine, "--api-key")
-        json.dump({"port": int(port) if port else None, "api_key": key}, handle)
+        json.dump({"port": int(port) if port else None, "uds": uds, "api_key": key}, handle)
     cpus = os.environ.pop("LORAGATE_BENCH_ENGINE_CPUS", "")
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})

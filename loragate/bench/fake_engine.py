@@ -1,6 +1,6 @@
 """An OpenAI-compatible server that answers at once: the upstream for pricing the proxy alone.
 
-It takes vLLM's command line (``--port``, ``--api-key``, ``--served-model-name``,
+It takes vLLM's command line (``--port`` or ``--uds``, ``--api-key``, ``--served-model-name``,
 ``--lora-modules``; everything else is ignored), so ``gateway serve`` can supervise it as its
 engine, and speaks just enough of vLLM's API for that: ``/health``, ``/v1/models``,
 ``/metrics``, runtime LoRA load/unload, and chat/legacy completions (streamed or not). It is a
@@ -8,6 +8,10 @@ raw asyncio protocol with httptools' parser, so it costs far less per request th
 sits in front of it.
 
     python -m loragate.bench.fake_engine --port 8100 [--api-key KEY] [--served-model-name NAME]
+
+For the supervisor's tests of stubborn engines: ``--ignore-sigterm`` makes it ignore SIGTERM,
+and ``--child`` starts a child process that ignores SIGTERM and renames itself (as vLLM's
+EngineCore does, with setproctitle).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -185,10 +190,20 @@ class _Request(asyncio.Protocol):
             self.transport.write(event)
 
 
-def parse_args(argv: list[str]) -> tuple[str, int, FakeEngine]:
+@dataclass(frozen=True)
+class Listen:
+    """Where to listen: ``uds`` (a Unix socket path) when set, else ``host:port``."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    uds: str | None = None
+
+
+def parse_args(argv: list[str]) -> tuple[Listen, FakeEngine]:
     """vLLM's flags that matter here; the rest are accepted and ignored."""
     # Like vLLM, the key may come from VLLM_API_KEY (that is how the supervisor passes it).
     host, port, key, names, interval = "127.0.0.1", 8000, os.environ.get("VLLM_API_KEY"), [], 0.0
+    uds: str | None = None
     index = 0
     while index < len(argv):
         arg = argv[index]
@@ -197,6 +212,8 @@ def parse_args(argv: list[str]) -> tuple[str, int, FakeEngine]:
             host = nxt
         elif arg == "--port":
             port = int(nxt)
+        elif arg == "--uds":
+            uds = nxt
         elif arg == "--api-key":
             key = nxt
         elif arg == "--token-interval":
@@ -214,8 +231,7 @@ def parse_args(argv: list[str]) -> tuple[str, int, FakeEngine]:
             continue
         index += 1
     return (
-        host,
-        port,
+        Listen(host, port, uds),
         FakeEngine(api_key=key, models=names or ["bench-model"], token_interval=interval),
     )
 
@@ -226,24 +242,45 @@ async def start_server(state: FakeEngine, host: str = "127.0.0.1", port: int = 0
     return await loop.create_server(lambda: _Request(state), host, port, backlog=1024)
 
 
-async def serve(host: str, port: int, state: FakeEngine) -> None:
-    server = await start_server(state, host, port)
+async def start_unix_server(state: FakeEngine, path: str) -> asyncio.Server:
+    """Listen on the Unix socket ``path``, like vLLM's ``--uds``."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_unix_server(lambda: _Request(state), path, backlog=1024)
+
+
+async def serve(listen: Listen, state: FakeEngine, ignore_sigterm: bool = False) -> None:
+    if listen.uds is not None:
+        server = await start_unix_server(state, listen.uds)
+    else:
+        server = await start_server(state, listen.host, listen.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGINT,) if ignore_sigterm else (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with server:
         await stop.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
-    host, port, state = parse_args(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    listen, state = parse_args(args)
+    ignore_sigterm = "--ignore-sigterm" in args
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "--child" in args:
+        # Renamed like vLLM's EngineCore: setproctitle overwrites what /proc/PID/environ shows.
+        stubborn = (
+            "import signal, time, setproctitle; "
+            "setproctitle.setproctitle('FAKE::EngineCore, renamed like vLLM renames its own'); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"
+        )
+        subprocess.Popen([sys.executable, "-c", stubborn])
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(host, port, state))
+        asyncio.run(serve(listen, state, ignore_sigterm))
     else:
-        uvloop.run(serve(host, port, state))
+        uvloop.run(serve(listen, state, ignore_sigterm))
     return 0
 
 

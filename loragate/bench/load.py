@@ -40,6 +40,12 @@ class Target:
     port: int
     model: str
     api_key: str | None = None
+    # The engine listens on a Unix socket: connect there (host and port then name nothing).
+    uds: str | None = None
+
+    @property
+    def authority(self) -> str:
+        return "engine" if self.uds else f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class Workload:
         raw = orjson.dumps(body)
         head = [
             f"POST {self.path} HTTP/1.1",
-            f"Host: {target.host}:{target.port}",
+            f"Host: {target.authority}",
             "Content-Type: application/json",
             f"Content-Length: {len(raw)}",
         ]
@@ -154,6 +160,9 @@ class _ClientConnection(asyncio.Protocol):
 
 async def connect(target: Target) -> _ClientConnection:
     loop = asyncio.get_running_loop()
+    if target.uds:
+        _, unix_conn = await loop.create_unix_connection(_ClientConnection, target.uds)
+        return unix_conn
     _, conn = await loop.create_connection(_ClientConnection, target.host, target.port)
     return conn
 

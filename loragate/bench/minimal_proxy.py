@@ -5,7 +5,8 @@ answer: no routing, checks, auth, metrics or model names. Whatever it adds on to
 engine is what uvicorn, asyncio and the upstream client cost on that machine, the floor for
 any gateway built from them; the gap between it and loragate is loragate's own logic.
 
-    LORAGATE_BENCH_UPSTREAM_KEY=KEY python -m loragate.bench.minimal_proxy --port P --upstream URL
+    LORAGATE_BENCH_UPSTREAM_KEY=KEY python -m loragate.bench.minimal_proxy --port P --upstream URL \
+        [--upstream-uds PATH]
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from loragate.gateway.proxy import ProxyClient
 
 
-def build(upstream: str, api_key: str | None) -> object:
+def build(upstream: str, api_key: str | None, uds: str | None = None) -> object:
     client = ProxyClient()
     headers = {"Content-Type": "application/json"}
     if api_key:
@@ -48,6 +49,7 @@ def build(upstream: str, api_key: str | None) -> object:
             stream=b'"stream":true' in body,
             rename=None,
             on_done=nothing,
+            uds=uds,
         )
         await response(scope, receive, send)
 
@@ -58,12 +60,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="http://host:port (no path)")
+    parser.add_argument("--upstream-uds", help="connect to this Unix socket instead")
     args = parser.parse_args()
     import uvicorn
 
     from loragate.gateway.runtime import server_options
 
-    app = build(args.upstream.rstrip("/"), os.environ.pop("LORAGATE_BENCH_UPSTREAM_KEY", None))
+    app = build(
+        args.upstream.rstrip("/"),
+        os.environ.pop("LORAGATE_BENCH_UPSTREAM_KEY", None),
+        args.upstream_uds,
+    )
     uvicorn.run(
         app,  # type: ignore[arg-type]
         host="127.0.0.1",

@@ -40,6 +40,7 @@ from loragate.bench import load
 from loragate.bench.load import Block, Samples, Target, Workload
 from loragate.bench.stats import Report, Summary, ms, quantile, signed_ms
 from loragate.bench.targets import (
+    EngineRecord,
     GatewayServe,
     MinimalProxy,
     Nginx,
@@ -315,9 +316,10 @@ def machine_line() -> str:
     return f"{cpus} CPUs ({model}), Python {platform.python_version()}, load average {load1:.2f} at start"
 
 
-def engine_ids(host: str, port: int, key: str | None) -> list[str]:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    listing = httpx.get(f"http://{host}:{port}/v1/models", headers=headers, timeout=10).json()
+def engine_ids(engine: EngineRecord) -> list[str]:
+    headers = {"Authorization": f"Bearer {engine.api_key}"} if engine.api_key else {}
+    with engine.client() as client:
+        listing = client.get(f"{engine.url}/v1/models", headers=headers).json()
     return [m["id"] for m in listing["data"]]
 
 
@@ -371,41 +373,43 @@ async def engine_part(report: Report, options: Options, workdir: Path) -> None:
         if isinstance(gateway, GatewayServe):
             gateway.wait_ready(900)
             report.say(f"  ready after {time.monotonic() - started:.0f} s")
-            record = gateway.engine()
-            host, port, key = "127.0.0.1", record.port, record.api_key
+            engine = gateway.engine()
         else:
             gateway.wait_ready(120)
             parts = urlsplit(options.url or "")
-            host, port, key = parts.hostname or "127.0.0.1", parts.port or 80, options.api_key
+            engine = EngineRecord(
+                port=parts.port or 80,
+                api_key=options.api_key,
+                host=parts.hostname or "127.0.0.1",
+            )
         public_ids = [
             m["id"] for m in httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"]
         ]
         public = options.model if options.url is not None and options.model else public_ids[0]
-        direct_model = engine_model_for(public, public_ids[0], engine_ids(host, port, key))
+        direct_model = engine_model_for(public, public_ids[0], engine_ids(engine))
         rss_idle = gateway.rss()
         setup.targets = [
-            Target(DIRECT, host, port, direct_model, key),
+            engine.target(DIRECT, direct_model),
             Target(GATEWAY, "127.0.0.1", gateway.port, public),
         ]
         if options.nginx:
-            nginx = Nginx(workdir / "nginx-engine", port)
+            nginx = Nginx(workdir / "nginx-engine", engine.nginx_upstream())
             setup.others.append(nginx)
             nginx.wait_ready()
-            setup.targets.append(Target(NGINX, "127.0.0.1", nginx.port, direct_model, key))
+            setup.targets.append(
+                Target(NGINX, "127.0.0.1", nginx.port, direct_model, engine.api_key)
+            )
         throughput_targets = list(setup.targets)
         if direct_model.startswith("__base__@"):
-            setup.guard = [
-                Target(DIRECT, host, port, public, key),
-                Target(ZERO, host, port, direct_model, key),
-            ]
+            setup.guard = [engine.target(DIRECT, public), engine.target(ZERO, direct_model)]
         if options.floor:
-            floor = MinimalProxy(workdir / "floor-engine", port, key)
+            floor = MinimalProxy(workdir / "floor-engine", engine)
             setup.others.append(floor)
             floor.wait_ready()
             setup.targets.append(Target(FLOOR, "127.0.0.1", floor.port, direct_model))
         report.say(
             f"  model {public!r} (engine id {direct_model!r}); targets: "
-            + ", ".join(f"{t.name} :{t.port}" for t in setup.targets)
+            + ", ".join(f"{t.name} {t.uds or f':{t.port}'}" for t in setup.targets)
         )
         await measure_engine(report, options, setup, throughput_targets, rss_idle)
     finally:
@@ -575,24 +579,20 @@ async def proxy_part(report: Report, options: Options, workdir: Path) -> None:
         gateway.wait_ready(120)
         record = gateway.engine()
         public = gateway.models()[0]
-        direct_model = engine_model_for(
-            public, public, engine_ids("127.0.0.1", record.port, record.api_key)
-        )
+        direct_model = engine_model_for(public, public, engine_ids(record))
         setup.targets = [
-            Target(DIRECT, "127.0.0.1", record.port, direct_model, record.api_key),
+            record.target(DIRECT, direct_model),
             Target(GATEWAY, "127.0.0.1", gateway.port, public),
         ]
         if options.nginx:
-            nginx = Nginx(workdir / "nginx-proxy", record.port, cpus=proxy_cpus)
+            nginx = Nginx(workdir / "nginx-proxy", record.nginx_upstream(), cpus=proxy_cpus)
             setup.others.append(nginx)
             nginx.wait_ready()
             setup.targets.append(
                 Target(NGINX, "127.0.0.1", nginx.port, direct_model, record.api_key)
             )
         if options.floor:
-            floor = MinimalProxy(
-                workdir / "floor-proxy", record.port, record.api_key, cpus=proxy_cpus
-            )
+            floor = MinimalProxy(workdir / "floor-proxy", record, cpus=proxy_cpus)
             setup.others.append(floor)
             floor.wait_ready()
             setup.targets.append(Target(FLOOR, "127.0.0.1", floor.port, direct_model))

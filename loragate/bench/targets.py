@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+from loragate.bench.load import Target
 
 FAKE_MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -52,8 +55,29 @@ def _pinned(cpus: set[int] | None) -> Callable[[], None] | None:
 
 @dataclass
 class EngineRecord:
-    port: int
+    """Where ``engine_tap`` saw the engine listen (its Unix socket; a port for engines given
+    ``--port`` by hand) and its key."""
+
+    port: int | None
     api_key: str | None
+    uds: str | None = None
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return "http://engine" if self.uds else f"http://{self.host}:{self.port}"
+
+    def client(self, timeout: float = 10) -> httpx.Client:
+        """An httpx client that reaches the engine (over its socket when it has one)."""
+        transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
+        return httpx.Client(transport=transport, timeout=timeout, trust_env=False)
+
+    def target(self, name: str, model: str) -> Target:
+        """A load target that sends ``model`` to the engine directly, with its key."""
+        return Target(name, self.host, self.port or 0, model, self.api_key, uds=self.uds)
+
+    def nginx_upstream(self) -> str:
+        return f"unix:{self.uds}" if self.uds else f"{self.host}:{self.port}"
 
 
 class Process:
@@ -173,7 +197,10 @@ class GatewayServe(Process):
 
     def engine(self) -> EngineRecord:
         data = json.loads(self.record.read_text())
-        return EngineRecord(port=int(data["port"]), api_key=data.get("api_key"))
+        port = data.get("port")
+        return EngineRecord(
+            port=int(port) if port else None, api_key=data.get("api_key"), uds=data.get("uds")
+        )
 
     def models(self) -> list[str]:
         response = httpx.get(self.url + "/v1/models", timeout=10)
@@ -213,14 +240,19 @@ class UpstreamGateway(Process):
 class Nginx(Process):
     """nginx as a reverse proxy with a keep-alive upstream: the floor a proxy can reach."""
 
-    def __init__(self, workdir: Path, upstream_port: int, cpus: set[int] | None = None) -> None:
+    def __init__(self, workdir: Path, upstream: str, cpus: set[int] | None = None) -> None:
+        """``upstream`` as nginx's ``server`` takes it: ``127.0.0.1:PORT`` or ``unix:PATH``."""
         binary = shutil.which("nginx") or "/usr/sbin/nginx"
         workdir.mkdir(parents=True, exist_ok=True)
         workdir.chmod(0o755)  # nginx workers may run as another user
         self.port = free_port()
         conf = workdir / "nginx.conf"
+        # Started as root, nginx runs its workers as "nobody", who cannot enter the engine's
+        # private socket directory: keep them as this user (ignored when not root).
+        user = f"user {pwd.getpwuid(os.geteuid()).pw_name};" if os.geteuid() == 0 else ""
         conf.write_text(
             f"""
+{user}
 worker_processes 1;
 daemon off;
 pid {workdir}/nginx.pid;
@@ -234,7 +266,7 @@ http {{
     uwsgi_temp_path {workdir}/uwsgi;
     scgi_temp_path {workdir}/scgi;
     upstream engine {{
-        server 127.0.0.1:{upstream_port};
+        server {upstream};
         keepalive 128;
         keepalive_timeout 4s;
     }}
@@ -307,16 +339,16 @@ def write_fake_model(directory: Path) -> Path:
 class MinimalProxy(Process):
     """``minimal_proxy``: a bare ASGI proxy with loragate's upstream client (the floor reference)."""
 
-    def __init__(
-        self, workdir: Path, upstream_port: int, api_key: str | None, cpus: set[int] | None = None
-    ) -> None:
+    def __init__(self, workdir: Path, engine: EngineRecord, cpus: set[int] | None = None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         argv = [
             sys.executable, "-m", "loragate.bench.minimal_proxy",
             "--port", str(self.port),
-            "--upstream", f"http://127.0.0.1:{upstream_port}",
+            "--upstream", engine.url,
+            *(["--upstream-uds", engine.uds] if engine.uds else []),
         ]  # fmt: skip
+        api_key = engine.api_key
         env = {"LORAGATE_BENCH_UPSTREAM_KEY": api_key} if api_key else {}
         super().__init__("minimal proxy", argv, workdir / "minimal-proxy.log", env=env, cpus=cpus)
 

@@ -258,13 +258,13 @@ class SupervisedEngineBackend:
         full, adapter, _ = vi_run_layout(run_dir)
         return full, adapter
 
-    def _engine_spec(self, port: int, api_key: str) -> EngineSpec:
+    def _engine_spec(self, socket_path: Path, api_key: str) -> EngineSpec:
         assert self.model_dir is not None and self.manager is not None
         settings = self.settings
         return EngineSpec(
             model=str(self.model_dir),
             served_name=self.base_name,
-            port=port,
+            socket_path=socket_path,
             api_key=api_key,
             # One more slot for the zero adapter, so base requests batch with N adapters.
             max_loras=settings.max_loras + (1 if self.zero_adapter else 0),
@@ -372,6 +372,7 @@ class SupervisedEngineBackend:
                     endpoint.base_url + path,
                     orjson.dumps(payload),
                     headers,
+                    uds=endpoint.uds,
                     stream=stream,
                     rename=Rename.of(engine_id, public_model),
                     on_done=functools.partial(self._request_done, manager, engine_id),

@@ -394,7 +394,11 @@ async def _engine_metrics(supervisor: Any) -> bytes | None:
         return None
     try:
         answer = await plain_http.request(
-            "GET", endpoint.base_url + "/metrics", timeout=3.0, headers=endpoint.headers
+            "GET",
+            endpoint.base_url + "/metrics",
+            timeout=3.0,
+            headers=endpoint.headers,
+            uds=getattr(endpoint, "uds", None),
         )
     except Exception as exc:  # a scrape must answer even when the engine does not
         log.debug("metrics: the engine's /metrics did not answer: %r", exc)

@@ -265,25 +265,30 @@ class _Connection(asyncio.Protocol):
 
 # ----- the pool -------------------------------------------------------------------------------
 
+# scheme, host, port, and the Unix socket to connect to instead of host and port ("" for none)
+Origin = tuple[str, str, int, str]
+
 
 @dataclass(frozen=True)
 class _Target:
-    origin: tuple[str, str, int]  # scheme, host, port
+    origin: Origin
     request_line: bytes  # b"POST /v1/... HTTP/1.1\r\nHost: ...\r\n"
 
 
 @lru_cache(maxsize=64)
-def _target(url: str, method: str = "POST") -> _Target:
+def _target(url: str, method: str = "POST", uds: str | None = None) -> _Target:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"cannot proxy to {url!r}: an http(s) URL is needed")
+    if uds is not None and parts.scheme != "http":
+        raise ValueError(f"cannot proxy to {url!r} over a Unix socket: plain http:// only")
     port = parts.port or (443 if parts.scheme == "https" else 80)
     path = parts.path or "/"
     if parts.query:
         path += "?" + parts.query
     host = parts.netloc.rpartition("@")[2]
     line = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")
-    return _Target((parts.scheme, parts.hostname, port), line)
+    return _Target((parts.scheme, parts.hostname, port, uds or ""), line)
 
 
 def _request_bytes(target: _Target, headers: dict[str, str], body: bytes) -> bytes:
@@ -302,10 +307,10 @@ class _Pool:
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self.max_idle = max_idle
-        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._idle: dict[Origin, list[_Connection]] = {}
         self._ssl: ssl.SSLContext | None = None
 
-    def take_idle(self, origin: tuple[str, str, int]) -> _Connection | None:
+    def take_idle(self, origin: Origin) -> _Connection | None:
         stack = self._idle.get(origin)
         if not stack:
             return None
@@ -317,9 +322,14 @@ class _Pool:
             conn.abort()
         return None
 
-    async def connect(self, origin: tuple[str, str, int]) -> _Connection:
-        scheme, host, port = origin
+    async def connect(self, origin: Origin) -> _Connection:
+        scheme, host, port, uds = origin
         loop = asyncio.get_running_loop()
+        if uds:
+            _, unix_conn = await asyncio.wait_for(
+                loop.create_unix_connection(_Connection, uds), self.connect_timeout
+            )
+            return unix_conn
         tls: ssl.SSLContext | None = None
         if scheme == "https":
             if self._ssl is None:
@@ -330,7 +340,7 @@ class _Pool:
         )
         return conn
 
-    def give_back(self, origin: tuple[str, str, int], conn: _Connection) -> None:
+    def give_back(self, origin: Origin, conn: _Connection) -> None:
         if not conn.reusable:
             conn.abort()
             return
@@ -372,12 +382,16 @@ class ProxyClient:
         rename: Rename | None,
         on_done: Callable[[], None],
         response_headers: dict[str, str] | None = None,
+        uds: str | None = None,
     ) -> Response:
-        """POST ``body`` to ``url``; ``on_done`` runs exactly once, when the answer is complete."""
+        """POST ``body`` to ``url``; ``on_done`` runs exactly once, when the answer is complete.
+
+        With ``uds``, connect to that Unix socket instead of the URL's host and port.
+        """
         extra = response_headers or {}
         observation = current_observation.get()
         started = time.perf_counter()
-        target = _target(url)
+        target = _target(url, "POST", uds)
         try:
             conn = await self._exchange(target, _request_bytes(target, headers, body))
         except UpstreamUnreachable as exc:
@@ -436,7 +450,7 @@ class ProxyClient:
                 # is not reported as "unreachable" (which the backend would resend)...
                 try:
                     conn = await self._pool.connect(target.origin)
-                except ConnectionRefusedError as exc:
+                except (ConnectionRefusedError, FileNotFoundError) as exc:
                     # ...unless nothing listens any more: the engine died, taking whatever the
                     # first attempt started with it (generation has no side effects), so the
                     # backend may wait for the restart and send it again.
@@ -446,7 +460,12 @@ class ProxyClient:
                 return await self._first_answer(conn, request)
         try:
             conn = await self._pool.connect(target.origin)
-        except (ConnectionRefusedError, ConnectionResetError, TimeoutError) as exc:
+        except (
+            ConnectionRefusedError,
+            ConnectionResetError,
+            FileNotFoundError,
+            TimeoutError,
+        ) as exc:
             raise UpstreamUnreachable(
                 503,
                 "the engine is not reachable; retry shortly",
@@ -523,7 +542,7 @@ class _RelayResponse(Response):
     def __init__(
         self,
         pool: _Pool,
-        origin: tuple[str, str, int],
+        origin: Origin,
         conn: _Connection,
         rename: Rename | None,
         on_done: Callable[[], None],

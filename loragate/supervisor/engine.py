@@ -32,9 +32,9 @@ import psutil
 from loragate import plain_http
 from loragate.supervisor.engine_command import EngineSpec, engine_argv, engine_env, redacted
 from loragate.supervisor.engine_log import open_engine_log, tail_lines
+from loragate.supervisor.engine_socket import EngineSocket, EngineSocketError
 from loragate.supervisor.pidfile import EnginePidFile
-from loragate.supervisor.ports import find_free_port, port_is_free
-from loragate.supervisor.process_tree import kill_tree_now, stop_tree
+from loragate.supervisor.process_tree import ENGINE_TAG, kill_boot, kill_tree_now, stop_tree
 from loragate.supervisor.states import (
     RECOVERING,
     SERVING,
@@ -44,15 +44,24 @@ from loragate.supervisor.states import (
 
 log = logging.getLogger("loragate.supervisor")
 
-SpecBuilder = Callable[[int, str], EngineSpec]
+SpecBuilder = Callable[[Path, str], EngineSpec]
 StateListener = Callable[[EngineState, str], None]
 ReadyHook = Callable[[], Awaitable[None]]
 
 
+# Names no address: every client connects to the endpoint's socket. A request that took this
+# URL without the socket fails to resolve "engine" instead of reaching some TCP port.
+ENGINE_BASE_URL = "http://engine"
+
+
 @dataclass(frozen=True)
 class EngineEndpoint:
-    base_url: str
+    """Where the engine listens: the Unix socket ``uds`` (see ``engine_socket``), reached with
+    ``base_url`` for paths and the Host header, and ``api_key``, its per-boot key."""
+
+    uds: str
     api_key: str
+    base_url: str = ENGINE_BASE_URL
 
     @property
     def headers(self) -> dict[str, str]:
@@ -77,6 +86,16 @@ class ExitInfo:
     def is_error_exit(self) -> bool:
         """Exited with an error status of its own, not killed by a signal."""
         return 0 < self.returncode < 128
+
+
+@dataclass(frozen=True)
+class BootMark:
+    """What finds a boot's processes once its launcher is gone: the launcher's pid (their
+    process group) and start time, and the tag in their environment."""
+
+    tag: str
+    group: int
+    started: float
 
 
 @dataclass(frozen=True)
@@ -119,7 +138,7 @@ _WRAPPER_ERRORS = (
     "Engine process failed to start",
 )
 _BOOT_BANNER = "===== loragate: engine boot at"
-# Start-up errors that another attempt can fix by itself (the supervisor picks a new port).
+# Start-up errors that another attempt can fix by itself (the next boot removes a stale socket).
 _TRANSIENT_ERRORS = ("Address already in use", "EADDRINUSE")
 
 
@@ -188,13 +207,12 @@ class EngineSupervisor:
         *,
         cache_dir: Path,
         timings: SupervisorTimings | None = None,
-        engine_port: int | None = None,
     ) -> None:
         self._build_spec = build_spec
         self.timings = timings or SupervisorTimings()
         self.log_path = cache_dir / "logs" / "engine.log"
         self._pidfile = EnginePidFile(cache_dir)
-        self._preferred_port = engine_port
+        self._socket = EngineSocket(cache_dir)
         self.state = EngineState.STOPPED
         self.reason = "not started"
         self.state_since = time.time()
@@ -202,6 +220,7 @@ class EngineSupervisor:
         self.restarts = 0
         self.last_exit: ExitInfo | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._boot_mark: BootMark | None = None
         self._exit: asyncio.Future[int] | None = None
         self._spawned_at: float | None = None
         self._failures: deque[float] = deque()
@@ -262,6 +281,7 @@ class EngineSupervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._life_task
         await self._terminate(graceful=True)
+        self._socket.remove()
         self._transition(EngineState.STOPPED, "stopped")
 
     async def restart(self, reason: str = "restart requested by an admin") -> None:
@@ -412,7 +432,7 @@ class EngineSupervisor:
         deadline = time.monotonic() + self.timings.startup_timeout
         while not await self._probe():
             if self._exit.done():
-                info = self._record_exit()
+                info = await self._reap()
                 lines = current_boot(tail_lines(self.log_path, 400, max_bytes=256 * 1024))
                 cause = root_cause(lines)
                 raise _BootFailed(
@@ -440,7 +460,7 @@ class EngineSupervisor:
         while True:
             await asyncio.wait({self._exit}, timeout=self.timings.probe_interval)
             if self._exit.done():
-                return f"engine {self._record_exit().describe()}"
+                return f"engine {(await self._reap()).describe()}"
             if await self._probe():
                 failures = 0
                 if self.state == EngineState.UNHEALTHY:
@@ -451,7 +471,7 @@ class EngineSupervisor:
                 continue
             if failures >= self.timings.probe_failures:
                 await self._terminate(graceful=False)
-                self._record_exit()
+                await self._reap()
                 return (
                     f"engine stopped answering health probes ({failures} in a row, "
                     f"{self.timings.probe_timeout:g} s timeout); killed it"
@@ -464,22 +484,23 @@ class EngineSupervisor:
 
     # ----- process handling --------------------------------------------------------------
 
-    def _pick_port(self) -> int:
-        if self._preferred_port is not None and port_is_free("127.0.0.1", self._preferred_port):
-            return self._preferred_port
-        port = find_free_port("127.0.0.1")
-        self._preferred_port = port
-        return port
-
     async def _spawn(self) -> None:
-        port = self._pick_port()
+        await self._sweep(self._boot_mark)  # nothing of an earlier boot outlives it
+        try:
+            socket_path = self._socket.path_for_boot()
+        except (EngineSocketError, OSError) as exc:
+            raise _BootFailed(f"cannot prepare the engine's socket: {exc}", permanent=True) from exc
         api_key = secrets.token_urlsafe(24)
-        spec = self._build_spec(port, api_key)
+        spec = self._build_spec(socket_path, api_key)
         self._served_name = spec.served_name
         argv = engine_argv(spec)
         env = engine_env(spec)
         env["LORAGATE_PARENT_PID"] = str(os.getpid())
-        launcher = [sys.executable, "-m", "loragate.supervisor.launcher", "--", *argv]
+        tag = secrets.token_hex(8)
+        env[ENGINE_TAG] = tag
+        grace = f"{self.timings.stop_timeout:g}"
+        launcher = [sys.executable, "-m", "loragate.supervisor.launcher", "--grace", grace, "--"]
+        launcher += argv
         log_handle = open_engine_log(self.log_path)
         log.info("spawning engine: %s", " ".join(redacted(argv)))
         try:
@@ -493,10 +514,30 @@ class EngineSupervisor:
             )
         finally:
             log_handle.close()
-        self._pidfile.write(self._proc.pid)
+        self._boot_mark = BootMark(
+            tag, self._proc.pid, psutil.Process(self._proc.pid).create_time()
+        )
+        self._pidfile.write(self._proc.pid, tag)
         self._spawned_at = time.time()
-        self.endpoint = EngineEndpoint(f"http://127.0.0.1:{port}", api_key)
+        self.endpoint = EngineEndpoint(str(socket_path), api_key)
         self._exit = _exit_future(self._proc)
+
+    async def _reap(self) -> ExitInfo:
+        """Record the launcher's exit and kill whatever of its boot still runs: when the
+        launcher itself was killed, the engine's processes are no longer under it."""
+        info = self._record_exit()
+        await self._sweep(self._boot_mark)
+        return info
+
+    async def _sweep(self, mark: BootMark | None) -> None:
+        """SIGKILL every process left of the boot ``mark`` names."""
+        if mark is None:
+            return
+        killed = await asyncio.to_thread(kill_boot, mark.tag, mark.group, mark.started)
+        if killed:
+            log.warning("killed leftover engine processes of an ended boot: %s", killed)
+        if self._boot_mark == mark:
+            self._boot_mark = None
 
     def _record_exit(self) -> ExitInfo:
         assert self._proc is not None
@@ -506,17 +547,20 @@ class EngineSupervisor:
         return info
 
     async def _terminate(self, graceful: bool) -> None:
-        proc = self._proc
+        # This boot's, taken now: supervision may spawn the next one while this awaits.
+        proc, exited, mark = self._proc, self._exit, self._boot_mark
         if proc is None:
             return
         if graceful:
             await asyncio.to_thread(stop_tree, proc.pid, self.timings.stop_timeout)
         else:
             await asyncio.to_thread(kill_tree_now, proc.pid)
-        if self._exit is not None:
+        if exited is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._exit), 10)
-        self._pidfile.clear()
+                await asyncio.wait_for(asyncio.shield(exited), 10)
+        await self._sweep(mark)
+        if self._proc is proc:
+            self._pidfile.clear()
 
     async def _probe(self) -> bool:
         endpoint = self.endpoint
@@ -525,7 +569,7 @@ class EngineSupervisor:
         timeout = self.timings.probe_timeout
         try:
             response = await plain_http.request(
-                "GET", f"{endpoint.base_url}/health", timeout=timeout
+                "GET", f"{endpoint.base_url}/health", timeout=timeout, uds=endpoint.uds
             )
             if response.status != 200:
                 return False
@@ -534,6 +578,7 @@ class EngineSupervisor:
                     "POST",
                     f"{endpoint.base_url}/v1/completions",
                     timeout=timeout,
+                    uds=endpoint.uds,
                     headers=endpoint.headers,
                     json={"model": self._served_name, "prompt": "ping", "max_tokens": 1},
                 )

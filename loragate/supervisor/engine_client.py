@@ -1,6 +1,8 @@
 """The engine's admin calls (LoRA load/unload, model list), for the adapter manager.
 
-Only the gateway holds the engine's per-boot key, so only it can reach these endpoints.
+Only the gateway holds the engine's per-boot key, so only it can reach these endpoints. They
+go over the engine's Unix socket, with ``trust_env=False``: an ``HTTP_PROXY`` in the
+environment must never receive the engine's key.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
+from loragate.supervisor.engine import EngineEndpoint, EngineSupervisor, EngineUnavailable
 
 
 class EngineRefused(Exception):
@@ -24,21 +26,34 @@ class EngineRefused(Exception):
 class EngineClient:
     def __init__(self, supervisor: EngineSupervisor, timeout: float = 300.0) -> None:
         self._supervisor = supervisor
-        # Loopback only, with the engine's key: never through an HTTP(S)_PROXY from the env.
-        self._http = httpx.AsyncClient(timeout=timeout, trust_env=False)
+        self._timeout = timeout
+        self._http: httpx.AsyncClient | None = None
+        self._uds: str | None = None
 
-    def _endpoint(self) -> tuple[str, dict[str, str]]:
-        endpoint = self._supervisor.endpoint
-        if endpoint is None:
-            raise EngineUnavailable("the engine has not started yet")
-        return endpoint.base_url, endpoint.headers
+    async def _client(self, endpoint: EngineEndpoint) -> httpx.AsyncClient:
+        # One client per socket path: the path is fixed for a supervisor's life, but a client
+        # built for another one must not be reused.
+        if self._http is None or self._uds != endpoint.uds:
+            if self._http is not None:
+                await self._http.aclose()
+            transport = httpx.AsyncHTTPTransport(uds=endpoint.uds)
+            self._http = httpx.AsyncClient(
+                transport=transport, timeout=self._timeout, trust_env=False
+            )
+            self._uds = endpoint.uds
+        return self._http
 
     async def _send(
         self, method: str, path: str, body: dict[str, str] | None = None
     ) -> httpx.Response:
-        base, headers = self._endpoint()
+        endpoint = self._supervisor.endpoint
+        if endpoint is None:
+            raise EngineUnavailable("the engine has not started yet")
+        http = await self._client(endpoint)
         try:
-            return await self._http.request(method, f"{base}{path}", headers=headers, json=body)
+            return await http.request(
+                method, f"{endpoint.base_url}{path}", headers=endpoint.headers, json=body
+            )
         except httpx.HTTPError as exc:
             raise EngineUnavailable(f"the engine did not answer {path}: {exc!r}") from exc
 
@@ -60,7 +75,9 @@ class EngineClient:
         return {item["id"] for item in response.json().get("data", [])}
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
 
 def _detail(response: httpx.Response) -> str:

@@ -19,11 +19,12 @@ _PRIVATE_ENV = frozenset({"DATATURE_VI_SECRET_KEY", "TINKER_API_KEY"})
 
 @dataclass
 class EngineSpec:
-    """Everything needed to spawn one engine boot. ``lora_modules`` maps engine ids to paths."""
+    """Everything needed to spawn one engine boot. ``lora_modules`` maps engine ids to paths;
+    ``socket_path`` is the Unix socket the engine listens on (it opens no TCP port)."""
 
     model: str
     served_name: str
-    port: int
+    socket_path: Path
     api_key: str
     max_loras: int
     max_lora_rank: int
@@ -41,8 +42,7 @@ def engine_argv(spec: EngineSpec) -> list[str]:
         *base,
         "--model", spec.model,
         "--served-model-name", spec.served_name,
-        "--host", "127.0.0.1",
-        "--port", str(spec.port),
+        "--uds", str(spec.socket_path),
         "--enable-lora",
         "--max-loras", str(spec.max_loras),
         "--max-lora-rank", str(spec.max_lora_rank),

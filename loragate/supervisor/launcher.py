@@ -1,10 +1,20 @@
 """The engine's launcher: a tiny process between the gateway and vLLM that guarantees no orphans.
 
-The gateway spawns ``python -m loragate.supervisor.launcher -- ENGINE_ARGV...`` as the leader of
-a new process group. The launcher asks the kernel for a signal when the gateway dies (even by
-SIGKILL), starts the engine in its own group, and on that signal kills the whole group at once.
-vLLM's EngineCore and Worker processes are spawned into that group, so nothing survives.
-A normal stop (SIGTERM from the gateway) is forwarded to the engine for a graceful exit.
+The gateway spawns ``python -m loragate.supervisor.launcher [--grace S] -- ENGINE_ARGV...`` as
+the leader of a new process group. vLLM's EngineCore and Worker processes are spawned into
+that group. What ends what, for every way one of them can die:
+
+- the gateway dies (even by SIGKILL): the kernel sends the launcher its parent-death signal
+  and the launcher SIGKILLs the whole group at once;
+- the launcher dies (even by SIGKILL): the kernel SIGKILLs the engine (its parent-death
+  signal), and the gateway sweeps every process of that boot before it spawns the next
+  (``EngineSupervisor``, by the boot's ``LORAGATE_ENGINE_TAG``);
+- SIGTERM or SIGINT to the launcher: forwarded to the engine for a graceful exit, and the
+  group gets SIGKILL if the engine has not exited ``--grace`` seconds later;
+- the engine exits: whatever it left in the group gets SIGKILL at once (vLLM's EngineCore
+  and Worker serve nothing without their API server, and a launcher that lingered would keep
+  the gateway from seeing the exit: it would blame its health probes instead), and the
+  launcher exits with the engine's status (128 + N for a signal N).
 """
 
 from __future__ import annotations
@@ -16,34 +26,82 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 from loragate.supervisor.parent_death import set_parent_death_signal
 
 PARENT_DIED = signal.SIGUSR1
+DEFAULT_GRACE = 20.0
+
+
+def _others_in_group(group: int) -> list[psutil.Process]:
+    me = os.getpid()
+    members = []
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid == me:
+            continue
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(proc.pid) == group and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+    return members
+
+
+def end_leftovers(group: int) -> None:
+    """SIGKILL every other member of ``group`` and wait for them to go."""
+    leftovers = _others_in_group(group)
+    for proc in leftovers:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(leftovers, timeout=5)
+
+
+def _engine_preexec(launcher: int) -> None:
+    # In the engine's child, before exec: die with the launcher, whatever kills it.
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != launcher:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def parse(argv: list[str]) -> tuple[float, list[str]] | None:
+    grace = DEFAULT_GRACE
+    if argv[:1] == ["--grace"] and len(argv) >= 2:
+        grace = float(argv[1])
+        argv = argv[2:]
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    return (grace, argv) if argv else None
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] == "--":
-        argv = argv[1:]
-    if not argv:
-        print("usage: python -m loragate.supervisor.launcher -- ENGINE_ARGV...", file=sys.stderr)
+    parsed = parse(argv)
+    if parsed is None:
+        print(
+            "usage: python -m loragate.supervisor.launcher [--grace SECONDS] -- ENGINE_ARGV...",
+            file=sys.stderr,
+        )
         return 2
+    grace, engine_argv = parsed
     expected_parent = int(os.environ.pop("LORAGATE_PARENT_PID", "0"))
     group = os.getpgrp()
+    me = os.getpid()
 
     def kill_group(signum: int, frame: object) -> None:
         os.killpg(group, signal.SIGKILL)
 
     signal.signal(PARENT_DIED, kill_group)
+    signal.signal(signal.SIGALRM, kill_group)  # the grace after a forwarded SIGTERM ran out
     set_parent_death_signal(PARENT_DIED)
     # The parent may have died before prctl took effect.
     if expected_parent and os.getppid() != expected_parent:
         os.killpg(group, signal.SIGKILL)
 
-    engine = subprocess.Popen(argv)
+    engine = subprocess.Popen(engine_argv, preexec_fn=lambda: _engine_preexec(me))
 
     def forward(signum: int, frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
             engine.send_signal(signum)
+        if signal.getitimer(signal.ITIMER_REAL)[0] == 0:
+            signal.setitimer(signal.ITIMER_REAL, grace)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
@@ -53,9 +111,11 @@ def main(argv: list[str]) -> int:
             break
         except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for clarity
             time.sleep(0.01)
-    # The engine is gone; anything it left in our group goes with it.
+    # The engine is gone; anything it left in our group goes with it, by force if need be.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    os.killpg(group, signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    end_leftovers(group)
     return code if code >= 0 else 128 - code
 
 

@@ -1,8 +1,9 @@
 """A lock and pid file under the cache dir: one gateway per cache dir, and no stale engines.
 
 The gateway holds an flock on ``gateway.lock`` for its whole life. ``engine.pid`` records the
-engine launcher's pid and start time; a new gateway that finds it (after a crash or SIGKILL
-of the old one) ends that engine tree before spawning its own.
+engine launcher's pid and start time and the boot's tag (``process_tree.ENGINE_TAG``); a new
+gateway that finds it (after a crash or SIGKILL of the old one) ends that engine tree, and
+whatever is left of that boot, before spawning its own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import IO
 
 import psutil
 
-from loragate.supervisor.process_tree import kill_tree_now
+from loragate.supervisor.process_tree import kill_boot, kill_tree_now
 
 log = logging.getLogger("loragate.supervisor")
 
@@ -62,11 +63,12 @@ class EnginePidFile:
     def __init__(self, cache_dir: Path) -> None:
         self.path = cache_dir / "engine.pid"
 
-    def write(self, pid: int) -> None:
+    def write(self, pid: int, tag: str | None = None) -> None:
         record = {
             "pid": pid,
             "create_time": psutil.Process(pid).create_time(),
             "gateway": os.getpid(),
+            "tag": tag,
         }
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
@@ -77,18 +79,32 @@ class EnginePidFile:
             self.path.unlink()
 
     def end_stale_engine(self) -> int | None:
-        """Kill the engine tree a previous gateway left behind, if it still runs; its pid or None."""
+        """Kill the engine a previous gateway left behind: the launcher's tree if the launcher
+        still runs, and what is left of its boot if not (``process_tree.boot_processes``); the
+        launcher's pid if it still ran, else None."""
         try:
             record = json.loads(self.path.read_text())
-            proc = psutil.Process(int(record["pid"]))
-            same = abs(proc.create_time() - float(record["create_time"])) < 0.01
-        except (OSError, ValueError, KeyError, psutil.Error):
+        except (OSError, ValueError):
             self.clear()
             return None
-        if not same:
+        if not isinstance(record, dict):
             self.clear()
             return None
-        log.warning("ending a stale engine (pid %s) left by a previous gateway", proc.pid)
-        kill_tree_now(proc.pid)
+        ended: int | None = None
+        try:
+            pid, started = int(record["pid"]), float(record["create_time"])
+        except (TypeError, ValueError, KeyError):
+            self.clear()
+            return None
+        with contextlib.suppress(psutil.Error):
+            if abs(psutil.Process(pid).create_time() - started) < 0.01:
+                ended = pid  # else gone, or the pid now names another process: spared
+        if ended is not None:
+            log.warning("ending a stale engine (pid %s) left by a previous gateway", ended)
+            kill_tree_now(ended)
+        tag = record.get("tag")
+        leftovers = kill_boot(tag if isinstance(tag, str) and tag else None, pid, started)
+        if leftovers:
+            log.warning("ended stale engine processes left by a previous gateway: %s", leftovers)
         self.clear()
-        return proc.pid
+        return ended

@@ -1,4 +1,12 @@
-"""Stopping a process, its process group and every descendant: SIGTERM first, SIGKILL after."""
+"""Stopping a process, its process group and every descendant: SIGTERM first, SIGKILL after.
+
+When the launcher is gone, its descendants can no longer be found from it. A boot's processes
+are then found two ways (``boot_processes``): by its process group (the launcher's pid; the
+kernel does not reuse that number while any member lives, and members must be younger than
+the launcher), and by a tag in their environment (``ENGINE_TAG``), which also finds one that
+left the group. The tag alone is not enough: vLLM renames its EngineCore and Worker with
+setproctitle, which overwrites the memory /proc/PID/environ shows.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,8 @@ import signal
 import time
 
 import psutil
+
+ENGINE_TAG = "LORAGATE_ENGINE_TAG"
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -67,3 +77,38 @@ def kill_tree_now(pid: int) -> None:
             proc.kill()
     deadline = time.monotonic() + 5
     psutil.wait_procs(victims, timeout=max(0.0, deadline - time.monotonic()))
+
+
+def boot_processes(tag: str | None, group: int, started: float) -> list[psutil.Process]:
+    """The live processes of the boot whose launcher (pid ``group``, created at ``started``)
+    led process group ``group``, or whose environment carries ``ENGINE_TAG=tag``."""
+    now = time.time()
+    # A live process with the launcher's pid but another start time means the number was
+    # reused, which the kernel allows only once the old group is empty: match no group then.
+    group_is_ours = True
+    with contextlib.suppress(psutil.Error):
+        group_is_ours = abs(psutil.Process(group).create_time() - started) < 0.01
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            in_group = (
+                group_is_ours
+                and os.getpgid(proc.pid) == group
+                and started - 0.01 <= proc.create_time() <= now
+            )
+            if in_group or (tag is not None and proc.environ().get(ENGINE_TAG) == tag):
+                found.append(proc)
+    return found
+
+
+def kill_boot(tag: str | None, group: int, started: float, timeout: float = 5.0) -> list[int]:
+    """SIGKILL every process of that boot (see ``boot_processes``); their pids. Blocks up to
+    ``timeout`` for them to go."""
+    victims = boot_processes(tag, group, started)
+    for proc in victims:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(victims, timeout=timeout)
+    return [proc.pid for proc in victims]

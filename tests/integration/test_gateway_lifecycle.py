@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import signal
 import socket
 import time
@@ -41,6 +42,20 @@ class NotifySocket:
             if any(text in m for m in self.drain()):
                 return
         raise TimeoutError(f"no {text!r} among {self.messages}")
+
+
+def wait_in_flight_at_the_engine(process: GatewayProcess, timeout: float = 60) -> None:
+    """Until the gateway counts a request in flight and the engine reports it running."""
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = process.admin("GET", "/metrics").text
+        gateway = re.search(r"^loragate_requests_in_flight (\S+)$", text, re.M)
+        engine = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+        if gateway and engine and float(gateway[1]) >= 1 and float(engine[1]) >= 1:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"no request in flight at the engine; last /metrics:\n{text[-2000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +128,7 @@ def test_new_gateway_on_the_same_cache_dir_starts_cleanly_and_serves_runtime_ada
             pending = pool.submit(
                 httpx.post, f"{process.url}/v1/chat/completions", json=long_request, timeout=120
             )
-            time.sleep(0.3)
+            wait_in_flight_at_the_engine(process)
             process.signal(signal.SIGTERM)
             response = pending.result()
         assert response.status_code == 200

@@ -211,22 +211,25 @@ def test_mixed_concurrent_burst_never_crosses_behaviours(
 
 def test_openai_async_client_and_stream(demo: GatewayProcess) -> None:
     async def run() -> tuple[str, str]:
-        client = AsyncOpenAI(base_url=f"{demo.url}/v1", api_key="unused", max_retries=0)
-        reply = await client.chat.completions.create(
-            model=ADAPTERS[0],
-            messages=[{"role": "user", "content": UNSEEN[1]}],
-            max_tokens=40,
-            temperature=0,
-        )
-        stream = await client.chat.completions.create(
-            model=ADAPTERS[0],
-            messages=[{"role": "user", "content": UNSEEN[1]}],
-            max_tokens=40,
-            temperature=0,
-            stream=True,
-        )
-        streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-        await client.close()
+        async with AsyncOpenAI(
+            base_url=f"{demo.url}/v1", api_key="unused", max_retries=0
+        ) as client:  # closed however the requests end
+            reply = await client.chat.completions.create(
+                model=ADAPTERS[0],
+                messages=[{"role": "user", "content": UNSEEN[1]}],
+                max_tokens=40,
+                temperature=0,
+            )
+            stream = await client.chat.completions.create(
+                model=ADAPTERS[0],
+                messages=[{"role": "user", "content": UNSEEN[1]}],
+                max_tokens=40,
+                temperature=0,
+                stream=True,
+            )
+            streamed = "".join(
+                [c.choices[0].delta.content or "" async for c in stream if c.choices]
+            )
         return reply.choices[0].message.content or "", streamed
 
     whole, streamed = asyncio.run(run())

@@ -121,10 +121,12 @@ def test_frozen_engine_is_detected_killed_and_restarted(recovering: GatewayProce
     try:
         deadline = frozen_at + 60
         seen = set()
+        restart_reason = ""
         while time.monotonic() < deadline:
-            state = recovering.engine_info()["state"]
-            seen.add(state)
-            if state in ("restarting", "starting"):
+            info = recovering.engine_info()
+            seen.add(info["state"])
+            if info["state"] in ("restarting", "starting"):
+                restart_reason = str(info["reason"])
                 break
             time.sleep(0.2)
         detected_after = time.monotonic() - frozen_at
@@ -134,10 +136,30 @@ def test_frozen_engine_is_detected_killed_and_restarted(recovering: GatewayProce
     # interval 1 s, 3 failures of at most 2 s each: detection well inside 15 s.
     assert detected_after < 15, f"hang noticed only after {detected_after:.1f} s ({seen})"
     assert "unhealthy" in seen
-    after = wait_new_engine(recovering, old_pid)
-    assert "health probes" in str(recovering.engine_info()["reason"]) or after["state"] == "ready"
+    # Restarted because the probes failed, not because the process exited.
+    assert "stopped answering health probes" in restart_reason, restart_reason
+    wait_new_engine(recovering, old_pid)
     assert wait_gone(engine_tree) == []
     assert chat(recovering.url, "fox").status_code == 200
+
+
+def test_launcher_killed_with_sigkill_leaves_no_engine_process_and_a_new_engine_serves(
+    recovering: GatewayProcess,
+) -> None:
+    before = recovering.engine_info()
+    old_pid = int(before["pid"])
+    engine_tree = recovering.engine_tree_pids()
+    assert len(engine_tree) >= 4, engine_tree  # launcher, API server, EngineCore, Worker
+    os.kill(int(before["launcher_pid"]), signal.SIGKILL)
+    try:
+        wait_new_engine(recovering, old_pid)
+        # Swept before the new engine was spawned, so gone by now without waiting.
+        assert wait_gone(engine_tree, timeout=0.5) == []
+        assert chat(recovering.url, "fox").status_code == 200
+    finally:
+        for pid in wait_gone(engine_tree, timeout=0.5):  # never leave an orphan engine behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_runtime_adapter_survives_an_engine_crash_and_an_admin_restart(

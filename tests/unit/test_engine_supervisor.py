@@ -8,6 +8,7 @@ seconds. The real engine's version of these lives in tests/integration.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
@@ -49,9 +50,9 @@ FAST = SupervisorTimings(
 
 
 def supervisor(tmp_path: Path, command: list[str], **timings: float) -> EngineSupervisor:
-    def build(port: int, api_key: str) -> EngineSpec:
+    def build(socket_path: Path, api_key: str) -> EngineSpec:
         return EngineSpec(
-            model="fake", served_name="fake", port=port, api_key=api_key,
+            model="fake", served_name="fake", socket_path=socket_path, api_key=api_key,
             max_loras=1, max_lora_rank=8, command=command,
         )  # fmt: skip
 
@@ -166,13 +167,13 @@ async def test_supervisor_error_ends_failed_and_an_admin_restart_recovers(
 ) -> None:
     calls = 0
 
-    def build(port: int, api_key: str) -> EngineSpec:
+    def build(socket_path: Path, api_key: str) -> EngineSpec:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise OSError("cannot spawn: no such file")  # e.g. Popen failing
         return EngineSpec(
-            model="fake", served_name="fake", port=port, api_key=api_key,
+            model="fake", served_name="fake", socket_path=socket_path, api_key=api_key,
             max_loras=1, max_lora_rank=8, command=FAKE_ENGINE,
         )  # fmt: skip
 
@@ -192,6 +193,8 @@ async def test_requests_wait_for_a_restart_and_a_full_queue_is_refused(
     running: EngineSupervisor,
 ) -> None:
     running.queue_size = 2
+    # A restart slow enough that the queue is still full when the third request comes.
+    running.timings = dataclasses.replace(FAST, restart_backoff=3, restart_backoff_max=3)
     pid = running.engine_pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
