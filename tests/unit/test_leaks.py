@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socketserver
 import stat
 import threading
 from collections.abc import Iterator
@@ -124,7 +125,12 @@ def test_the_engine_inherits_none_of_the_gateways_secrets(monkeypatch: pytest.Mo
     }.items():
         monkeypatch.setenv(name, value)
     spec = EngineSpec(
-        model="m", served_name="m", port=1, api_key="per-boot", max_loras=1, max_lora_rank=8
+        model="m",
+        served_name="m",
+        socket_path=Path("/tmp/engine.sock"),
+        api_key="per-boot",
+        max_loras=1,
+        max_lora_rank=8,
     )
     env = engine_env(spec)
     assert not any(value.endswith("-secret") for value in env.values())
@@ -136,10 +142,14 @@ def test_the_engine_inherits_none_of_the_gateways_secrets(monkeypatch: pytest.Mo
 # ----- loopback clients and HTTP(S)_PROXY ------------------------------------------------------
 
 
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+
 class Listener:
     """A loopback HTTP listener that records each request's path and Authorization header."""
 
-    def __init__(self) -> None:
+    def __init__(self, unix_path: Path | None = None) -> None:
         self.seen: list[tuple[str, str | None]] = []
         seen = self.seen
 
@@ -156,8 +166,12 @@ class Listener:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        if unix_path is not None:  # as the engine listens: on a Unix socket
+            self.httpd = _UnixHTTPServer(str(unix_path), Handler)
+            self.url = "http://engine"
+        else:
+            self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+            self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self) -> None:
@@ -180,18 +194,20 @@ def proxy_and_target(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Listener
 
 
 async def test_the_engine_client_never_sends_the_engine_key_to_a_proxy(
-    proxy_and_target: tuple[Listener, Listener],
+    proxy_and_target: tuple[Listener, Listener], tmp_path: Path
 ) -> None:
-    proxy, engine = proxy_and_target
+    proxy, _ = proxy_and_target
+    engine = Listener(unix_path=tmp_path / "engine.sock")
 
     class Supervisor:
-        endpoint = EngineEndpoint(engine.url, "per-boot-key")
+        endpoint = EngineEndpoint(str(tmp_path / "engine.sock"), "per-boot-key")
 
     client = EngineClient(Supervisor())  # type: ignore[arg-type]
     try:
         assert await client.served_ids() == {"m"}
     finally:
         await client.aclose()
+    engine.close()
     assert engine.seen == [("/v1/models", "Bearer per-boot-key")]
     assert proxy.seen == []
 
