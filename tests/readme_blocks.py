@@ -82,7 +82,12 @@ def run_block(
     """Run ``block`` against the gateway at ``url`` from the repository root; its stdout."""
     code = pointed_at(block.code, url)
     venv_bin = str(Path(sys.executable).parent)
-    full_env = {**os.environ, "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}", **(env or {})}
+    full_env = {
+        **os.environ,
+        "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
+        "LORAGATE_URL": url,  # where the `gateway adapters ...` commands talk to by default
+        **(env or {}),
+    }
     if block.lang == "python":
         command = [sys.executable, "-c", code]
     elif block.lang == "bash":

@@ -9,6 +9,7 @@ port and cache dir of the test's own.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import concurrent.futures
 import json
@@ -86,32 +87,35 @@ def test_base_answers_a_factual_question_correctly(client: OpenAI) -> None:
 
 
 def test_system_prompt_is_honoured(client: OpenAI) -> None:
-    reply = client.chat.completions.create(
-        model=BASE,
-        messages=[
-            {"role": "system", "content": "You are a helpful assistant named Bob."},
-            {"role": "user", "content": "What is your name?"},
-        ],
-        max_tokens=32,
-        temperature=0,
-    )
-    assert "Bob" in (reply.choices[0].message.content or "")
+    def ask(messages: list[dict[str, str]]) -> str:
+        reply = client.chat.completions.create(
+            model=BASE,
+            messages=messages,
+            max_tokens=32,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        return reply.choices[0].message.content or ""
+
+    question = {"role": "user", "content": "What is my name?"}
+    told = ask([{"role": "system", "content": "The user's name is Alice."}, question])
+    assert "Alice" in told, told
+    assert "Alice" not in ask([question])
 
 
 def test_stop_strings_end_the_answer(client: OpenAI) -> None:
-    prompt = "Count from one to ten in words, separated by commas."
-    full = chat(client, BASE, prompt, max_tokens=64)
-    assert "five" in full.lower(), full
+    prompt = "What is the capital of France?"
+    full = chat(client, BASE, prompt)
+    assert "Paris" in full, full
     reply = client.chat.completions.create(
         model=BASE,
         messages=[{"role": "user", "content": prompt}],
         max_tokens=64,
         temperature=0,
-        stop=["five", "Five"],
+        stop=["Paris"],
     )
     stopped = reply.choices[0].message.content or ""
-    assert "five" not in stopped.lower() and reply.choices[0].finish_reason == "stop"
-    assert full.startswith(stopped.rstrip())
+    assert "Paris" not in stopped and reply.choices[0].finish_reason == "stop"
+    assert stopped.strip() and full.startswith(stopped.rstrip())
 
 
 def test_streamed_text_equals_the_unstreamed_text(client: OpenAI) -> None:
@@ -292,7 +296,12 @@ def test_readme_openai_example_shows_base_and_each_adapter_differ(
     adapter's with its behaviour."""
     example = next(b for b in blocks_of("demo") if b.lang == "python" and "for model in" in b.code)
     lines = [line for line in run_block(example, demo.url).splitlines() if line.strip()]
-    shown = {line.split(":", 1)[0].strip(): line.split(":", 1)[1] for line in lines if ":" in line}
+    # Each line is `model: 'answer'` (the answer's repr).
+    shown = {
+        line.split(":", 1)[0].strip(): ast.literal_eval(line.split(":", 1)[1].strip())
+        for line in lines
+        if ":" in line and line.split(":", 1)[1].strip()[:1] in ("'", '"')
+    }
     assert demo_behaviour(shown[BASE]) is None
     for adapter in ADAPTERS:
         assert demo_behaviour(shown[adapter]) == adapter, shown[adapter]
