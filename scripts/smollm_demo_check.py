@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,12 +50,22 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--python", default=sys.executable, help="the engine's python")
     parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument(
+        "--no-build", action="store_true", help="check DEMO_DIR as it is, even if stale"
+    )
+    parser.add_argument("--log", type=Path, help="the engine's log [default: in the temp dir]")
     args = parser.parse_args()
 
     started = time.monotonic()
-    demo = ensure_smollm_demo(args.demo_dir, args.python)
+    if args.no_build:
+        if args.demo_dir is None:
+            parser.error("--no-build needs DEMO_DIR")
+        demo = args.demo_dir.expanduser().resolve()
+    else:
+        demo = ensure_smollm_demo(args.demo_dir, args.python)
     print(f"demo ready in {time.monotonic() - started:.0f} s: {demo}", flush=True)
-    log_path = demo.parent / f"{demo.name}-engine-check.log"
+    log_path = args.log or Path(tempfile.gettempdir()) / f"smollm-demo-check-{args.port}.log"
+    print(f"engine log: {log_path}", flush=True)
     command = [
         args.python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(demo_base_dir(demo)),
