@@ -118,6 +118,9 @@ async def test_hung_engine_goes_unhealthy_then_is_killed_and_restarted(
     assert "unhealthy" in running.states  # type: ignore[attr-defined]
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert launcher is not None and not psutil.pid_exists(launcher)
+    # The launcher's real status: not the 0 Popen reports when someone else reaped it.
+    assert running.last_exit is not None
+    assert running.last_exit.describe() == "killed by SIGKILL"
 
 
 async def test_configuration_error_fails_at_once_with_the_engine_root_cause(
