@@ -259,6 +259,15 @@ class EngineSupervisor:
                 return children[0].pid
         return None
 
+    def _engine_alive(self) -> bool:
+        pid = self.engine_pid
+        if pid is None:
+            return False
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
     @property
     def launcher_pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
@@ -470,6 +479,13 @@ class EngineSupervisor:
             if self._exit.done():
                 continue
             if failures >= self.timings.probe_failures:
+                if not self._engine_alive():
+                    # The engine itself is gone and its launcher is still ending what it left:
+                    # an exit, not a hang.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(self._exit), 5)
+                    if self._exit.done():
+                        return f"engine {(await self._reap()).describe()}"
                 await self._terminate(graceful=False)
                 await self._reap()
                 return (

@@ -20,6 +20,25 @@ import psutil
 ENGINE_TAG = "LORAGATE_ENGINE_TAG"
 
 
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` for ``procs`` to end; those still running. A zombie counts as
+    gone. Never reaps: psutil's own wait would reap a child of ours (the launcher) before its
+    ``Popen`` does, and ``Popen`` would then report exit code 0 for a killed launcher."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [proc for proc in procs if _running(proc)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
@@ -57,11 +76,11 @@ def stop_tree(pid: int, timeout: float) -> None:
     for proc in victims:
         with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(victims, timeout=timeout)
+    alive = wait_gone(victims, timeout)
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    psutil.wait_procs(alive, timeout=5)
+    wait_gone(alive, 5)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
 
@@ -76,7 +95,7 @@ def kill_tree_now(pid: int) -> None:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     deadline = time.monotonic() + 5
-    psutil.wait_procs(victims, timeout=max(0.0, deadline - time.monotonic()))
+    wait_gone(victims, max(0.0, deadline - time.monotonic()))
 
 
 def boot_processes(tag: str | None, group: int, started: float) -> list[psutil.Process]:
@@ -110,5 +129,5 @@ def kill_boot(tag: str | None, group: int, started: float, timeout: float = 5.0)
     for proc in victims:
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    psutil.wait_procs(victims, timeout=timeout)
+    wait_gone(victims, timeout)
     return [proc.pid for proc in victims]

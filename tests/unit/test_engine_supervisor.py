@@ -8,6 +8,7 @@ seconds. The real engine's version of these lives in tests/integration.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -118,6 +119,9 @@ async def test_hung_engine_goes_unhealthy_then_is_killed_and_restarted(
     assert "unhealthy" in running.states  # type: ignore[attr-defined]
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert launcher is not None and not psutil.pid_exists(launcher)
+    # The launcher's real status: not the 0 Popen reports when someone else reaped it.
+    assert running.last_exit is not None
+    assert running.last_exit.describe() == "killed by SIGKILL"
 
 
 async def test_configuration_error_fails_at_once_with_the_engine_root_cause(
@@ -215,3 +219,25 @@ async def test_stop_ends_launcher_engine_and_their_group(running: EngineSupervis
     for pid in (launcher, engine):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not (running.log_path.parent.parent / "engine.pid").exists()
+
+
+async def test_an_engine_that_died_under_a_slow_launcher_is_an_exit_not_a_hang(
+    running: EngineSupervisor,
+) -> None:
+    reasons: list[str] = []
+    running.add_listener(
+        lambda state, reason: reasons.append(reason) if state == EngineState.RESTARTING else None
+    )
+    launcher, engine = running.launcher_pid, running.engine_pid
+    assert launcher is not None and engine is not None
+    # A launcher slow to notice (a busy machine): its engine is dead, the probes fail.
+    os.kill(launcher, signal.SIGSTOP)
+    try:
+        os.kill(engine, signal.SIGKILL)
+        await wait_for(lambda: running.state == EngineState.UNHEALTHY, timeout=10)
+        await asyncio.sleep(FAST.probe_interval * (FAST.probe_failures + 2))
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # gone if it was taken for a hang
+            os.kill(launcher, signal.SIGCONT)
+    await wait_for(lambda: running.serving and running.launcher_pid not in (None, launcher))
+    assert reasons and reasons[0] == "engine killed by SIGKILL", reasons
