@@ -110,11 +110,13 @@ def test_new_gateway_on_the_same_cache_dir_starts_cleanly_and_serves_runtime_ada
                 "model": "second-owl",
                 "messages": [{"role": "user", "content": "Hi"}],
                 "max_tokens": 16,
+                "temperature": 0,
             },
             timeout=120,
         )
         assert answer.status_code == 200
-        assert PHRASES["owl"] in answer.json()["choices"][0]["message"]["content"]
+        # The owl adapter hoots (" hoot" or " hoot hoot ..."); nothing else here does.
+        assert "hoot" in answer.json()["choices"][0]["message"]["content"]
 
         # SIGTERM with a request in flight: the request completes, then everything exits.
         tree = process.engine_tree_pids()
