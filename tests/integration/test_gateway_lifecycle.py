@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import PHRASES
 from tests.gateway_process import GatewayProcess, wait_gone
 
 pytestmark = [pytest.mark.engine, pytest.mark.restarts]
