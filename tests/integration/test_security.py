@@ -14,11 +14,12 @@ front of the bench's instant fake engine (auth is the gateway's concern; no seco
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import json
+import os
 import re
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -373,33 +374,43 @@ def _listeners(pids: list[int]) -> set[tuple[str, int]]:
     return found
 
 
-def test_the_engine_listens_on_loopback_only_and_refuses_requests_without_its_key(
+def _engine_socket(pid: int) -> Path:
+    """The Unix socket the engine's API server was told to bind (``--uds PATH``)."""
+    cmdline = psutil.Process(pid).cmdline()
+    assert "--uds" in cmdline, cmdline
+    return Path(cmdline[cmdline.index("--uds") + 1])
+
+
+def test_the_engine_serves_http_only_on_a_private_socket_and_refuses_requests_without_its_key(
     gateway: GatewayProcess, demo_dir: Path
 ) -> None:
+    # Whatever TCP the engine's processes open among themselves stays on loopback ...
     everything = _listeners(gateway.engine_tree_pids())
-    assert everything, "found no listening socket in the engine's process tree"
-    assert {address for address, _ in everything} == {"127.0.0.1"}, everything
-    # The API server (GET /admin/engine's pid) is the process with the HTTP port.
-    http_ports = [port for _, port in _listeners([gateway.engine_info()["pid"]])]
-    engines = []
-    for port in http_ports:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=3).status_code == 200:
-                engines.append(f"http://127.0.0.1:{port}")
-    assert len(engines) == 1, (http_ports, engines)
-    engine = engines[0]
-    intruder = {"lora_name": "intruder", "lora_path": str(demo_dir / "adapters" / "pong")}
-    for headers in ({}, {"Authorization": "Bearer guessed-key"}, {"Authorization": "Basic eDp5"}):
-        load = httpx.post(
-            f"{engine}/v1/load_lora_adapter", json=intruder, headers=headers, timeout=30
-        )
-        assert load.status_code == 401, load.text
-        models = httpx.get(f"{engine}/v1/models", headers=headers, timeout=10)
-        assert models.status_code == 401
-        chat = httpx.post(
-            f"{engine}/v1/chat/completions", json=_chat(), headers=headers, timeout=30
-        )
-        assert chat.status_code == 401
+    assert {address for address, _ in everything} <= {"127.0.0.1"}, everything
+    # ... and its API server has no TCP port at all: HTTP is on a Unix socket in a 0700
+    # directory of the gateway's user.
+    api_server = gateway.engine_info()["pid"]
+    assert not _listeners([api_server]), _listeners([api_server])
+    socket_path = _engine_socket(api_server)
+    assert socket_path.is_socket(), socket_path
+    directory = socket_path.parent.stat()
+    assert stat.S_IMODE(directory.st_mode) == 0o700, oct(directory.st_mode)
+    assert directory.st_uid == os.getuid()
+
+    transport = httpx.HTTPTransport(uds=str(socket_path))
+    with httpx.Client(transport=transport, base_url="http://engine", timeout=30) as engine:
+        assert engine.get("/health").status_code == 200
+        intruder = {"lora_name": "intruder", "lora_path": str(demo_dir / "adapters" / "pong")}
+        for headers in (
+            {},
+            {"Authorization": "Bearer guessed-key"},
+            {"Authorization": "Basic eDp5"},
+        ):
+            load = engine.post("/v1/load_lora_adapter", json=intruder, headers=headers)
+            assert load.status_code == 401, load.text
+            assert engine.get("/v1/models", headers=headers).status_code == 401
+            chat = engine.post("/v1/chat/completions", json=_chat(), headers=headers)
+            assert chat.status_code == 401
     served = httpx.get(f"{gateway.url}/v1/models", timeout=10).json()["data"]
     assert "intruder" not in {model["id"] for model in served}
     engine_models = gateway.admin("GET", "/admin/adapters").json()["data"]

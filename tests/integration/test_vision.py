@@ -338,7 +338,8 @@ def test_vi_sdk_streaming_client_talks_to_the_gateway(
     vision_gateway: GatewayProcess, vision_media: Path
 ) -> None:
     """The Datature Vi SDK's own local-server client, used as its documentation shows."""
-    stream_module = pytest.importorskip("vi.deployment.local.stream")
+    from vi.deployment.local import stream as stream_module
+
     client = stream_module.ViStreamingClient(base_url=f"{vision_gateway.url}/v1")
     reply = client.create(
         model=ADAPTER,
