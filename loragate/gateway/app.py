@@ -12,7 +12,13 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loragate.gateway import routes_admin, routes_health, routes_inference, routes_metrics
+from loragate.gateway import (
+    routes_admin,
+    routes_health,
+    routes_inference,
+    routes_metrics,
+    routes_passthrough,
+)
 from loragate.gateway.admin_token import publish_admin_token, withdraw_admin_token
 from loragate.gateway.auth import KeyConfigError, check_key_settings
 from loragate.gateway.backend import GatewayBackend
@@ -170,6 +176,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(routes_health.router)
     app.include_router(routes_inference.router)
+    app.include_router(routes_passthrough.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_metrics.router)
     install_openapi(app)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.responses import Response
@@ -27,3 +29,26 @@ class GatewayBackend(Protocol):
     ) -> Response:
         """Answer an OpenAI request whose ``model`` is ``public_model``."""
         ...
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """A request for one of the engine's allow-listed routes (``engine_routes``), any shape.
+
+    ``body`` builds the bytes to send given the engine's id for ``public_model`` (None when
+    the request names no model), so the backend can pick the adapter version at send time.
+    """
+
+    method: str
+    path: str  # with the query string, as the engine should see it
+    body: Callable[[str | None], bytes]
+    content_type: str | None
+    public_model: str | None
+    stream: bool
+    request_id: str
+
+
+class RelayingBackend(GatewayBackend, Protocol):
+    """A backend that can also send the engine's other allow-listed routes (GET, uploads)."""
+
+    async def relay(self, call: EngineCall) -> Response: ...

@@ -149,6 +149,16 @@ async def normalize_chat_request(payload: dict[str, Any], settings: Settings) ->
     return ChatRequest(body, vi)
 
 
+def media_policy_of(settings: Settings) -> MediaPolicy:
+    """The image policy ``settings`` set (--allowed-media-dir, sizes, private URLs)."""
+    return _media_policy(
+        settings.allowed_media_dir,
+        settings.max_image_bytes,
+        settings.max_image_pixels,
+        settings.private_image_urls,
+    )
+
+
 @functools.lru_cache(maxsize=8)
 def _media_policy(
     allowed_dir: Path | None, max_bytes: int, max_pixels: int, private_urls: bool

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,13 @@ from loragate.demo.layout import (
     ensure_demo,
     ensure_smollm_demo,
 )
+from loragate.gateway.backend import EngineCall
+from loragate.gateway.engine_names import AnyVersionRename
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.media import ENGINE_MEDIA_ARGS, engine_media_env
 from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable
 from loragate.gateway.resend import ResendBudget
+from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.settings import Settings
 from loragate.supervisor.cpu_lora_plugin import SWITCH, plugin_problem
 from loragate.supervisor.cpu_memory import plan_kv_cache, user_sized
@@ -337,6 +341,15 @@ class SupervisedEngineBackend:
     async def forward(
         self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
     ) -> Response:
+        def body(engine_id: str | None) -> bytes:
+            payload["model"] = engine_id
+            return orjson.dumps(payload)
+
+        call = EngineCall("POST", path, body, "application/json", public_model, stream, request_id)
+        return await self.relay(call)
+
+    async def relay(self, call: EngineCall) -> Response:
+        """Send ``call`` to the engine once it serves, leasing the adapter version it names."""
         deadline = time.monotonic() + self.settings.queue_deadline
         resends = ResendBudget(deadline)
         while True:
@@ -344,45 +357,59 @@ class SupervisedEngineBackend:
                 await self._wait_for_engine(deadline)
             manager, endpoint = self.manager, self.supervisor.endpoint
             assert manager is not None and endpoint is not None
-            engine_id = manager.acquire(public_model)
-            if engine_id is None:
-                raise model_not_found(public_model, self.model_ids())
-            if self.slots is not None and not self.slots.try_acquire(engine_id):
-                try:
-                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                        await self.slots.acquire(engine_id)
-                except BaseException as exc:
-                    manager.release(engine_id)
-                    if isinstance(exc, TimeoutError):
-                        raise OpenAIError(
-                            503,
-                            "too many adapters are busy in the engine; retry shortly",
-                            code="adapter_slots_busy",
-                            headers={"Retry-After": "5"},
-                        ) from None
-                    raise
-            payload["model"] = engine_id
+            if call.public_model is None:
+                engine_id = None
+                rename: Rename | None = AnyVersionRename(manager.base_engine_id, self.base_name)
+                on_done: Callable[[], None] = _nothing
+            else:
+                engine_id = await self._lease(manager, call.public_model, deadline)
+                rename = Rename.of(engine_id, call.public_model)
+                on_done = functools.partial(self._request_done, manager, engine_id)
             headers = {
                 "Authorization": f"Bearer {endpoint.api_key}",
-                "Content-Type": "application/json",
-                "X-Request-Id": request_id,
+                "X-Request-Id": call.request_id,
+                **outgoing_trace_headers(),
             }
+            if call.content_type is not None:
+                headers["Content-Type"] = call.content_type
             try:
                 return await self.proxy.forward(
-                    endpoint.base_url + path,
-                    orjson.dumps(payload),
+                    endpoint.base_url + call.path,
+                    call.body(engine_id),
                     headers,
                     uds=endpoint.uds,
-                    stream=stream,
-                    rename=Rename.of(engine_id, public_model),
-                    on_done=functools.partial(self._request_done, manager, engine_id),
-                    response_headers={"X-Request-ID": request_id},
+                    stream=call.stream,
+                    rename=rename,
+                    on_done=on_done,
+                    response_headers={"X-Request-ID": call.request_id},
+                    method=call.method,
                 )
             except UpstreamUnreachable as exc:
                 # The engine died just now: wait for the restart and send the request again.
                 if not resends.allows(exc):
                     raise
                 await asyncio.sleep(0.2)
+
+    async def _lease(self, manager: AdapterManager, public_model: str, deadline: float) -> str:
+        """The engine id serving ``public_model``, leased (and its slot taken) until done."""
+        engine_id = manager.acquire(public_model)
+        if engine_id is None:
+            raise model_not_found(public_model, self.model_ids())
+        if self.slots is not None and not self.slots.try_acquire(engine_id):
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await self.slots.acquire(engine_id)
+            except BaseException as exc:
+                manager.release(engine_id)
+                if isinstance(exc, TimeoutError):
+                    raise OpenAIError(
+                        503,
+                        "too many adapters are busy in the engine; retry shortly",
+                        code="adapter_slots_busy",
+                        headers={"Retry-After": "5"},
+                    ) from None
+                raise
+        return engine_id
 
     def _request_done(self, manager: AdapterManager, engine_id: str) -> None:
         manager.release(engine_id)
@@ -395,6 +422,10 @@ class SupervisedEngineBackend:
         if self.manager is None:
             raise OpenAIError(503, "the gateway is still starting", code="engine_starting")
         return self.manager
+
+
+def _nothing() -> None:
+    pass
 
 
 def model_not_found(model: str, valid: list[str]) -> OpenAIError:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loragate import plain_http
+from loragate.gateway.engine_routes import engine_route
 
 if TYPE_CHECKING:
     from loragate.gateway.runtime import Gateway
@@ -54,6 +55,15 @@ LATENCY_BUCKETS = (
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
+def observed_route(path: str) -> str | None:
+    """The route label an inference or engine pass-through request is recorded under (the
+    allow-list's template for paths with an id); None for the routes not recorded."""
+    if path in INFERENCE_PATHS:
+        return path
+    route = engine_route(path)
+    return route.path if route is not None else None
+
+
 def route_path(scope: Scope) -> str:
     """The request path inside this app (without the prefix it is mounted under, if any)."""
     path: str = scope["path"]
@@ -72,6 +82,7 @@ class RequestObservation:
         "started",
         "status",
         "stream",
+        "trace_id",
         "upstream_seconds",
     )
 
@@ -79,6 +90,7 @@ class RequestObservation:
         self.started = started
         self.model: str | None = None
         self.request_id: str | None = None
+        self.trace_id: str | None = None
         self.stream = False
         self.status = 0
         self.first_byte = 0.0
@@ -197,8 +209,8 @@ class RequestObserver:
         if scope["type"] != "http" or current_observation.get() is not None:
             await self.app(scope, receive, send)
             return
-        route = route_path(scope)
-        if route not in INFERENCE_PATHS:
+        route = observed_route(route_path(scope))
+        if route is None:
             await self.app(scope, receive, send)
             return
         observation = RequestObservation(time.perf_counter())
@@ -256,15 +268,17 @@ def settle(
 def log_access(scope: Scope, observation: RequestObservation, ended: float) -> None:
     duration_ms = round((ended - observation.started) * 1000, 2)
     access_log.info(
-        "%s %s %s model=%s request_id=%s %.2f ms",
+        "%s %s %s model=%s request_id=%s trace_id=%s %.2f ms",
         scope["method"],
         scope["path"],
         observation.status,
         observation.model,
         observation.request_id,
+        observation.trace_id or "-",
         duration_ms,
         extra={
             "request_id": observation.request_id,
+            "trace_id": observation.trace_id,
             "model": observation.model,
             "status": observation.status,
             "duration_ms": duration_ms,

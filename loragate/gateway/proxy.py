@@ -383,15 +383,17 @@ class ProxyClient:
         on_done: Callable[[], None],
         response_headers: dict[str, str] | None = None,
         uds: str | None = None,
+        method: str = "POST",
     ) -> Response:
         """POST ``body`` to ``url``; ``on_done`` runs exactly once, when the answer is complete.
 
-        With ``uds``, connect to that Unix socket instead of the URL's host and port.
+        With ``uds``, connect to that Unix socket instead of the URL's host and port; with
+        ``method``, send that instead of POST (the engine's GET routes).
         """
         extra = response_headers or {}
         observation = current_observation.get()
         started = time.perf_counter()
-        target = _target(url, "POST", uds)
+        target = _target(url, method, uds)
         try:
             conn = await self._exchange(target, _request_bytes(target, headers, body))
         except UpstreamUnreachable as exc:

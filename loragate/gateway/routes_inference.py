@@ -26,6 +26,7 @@ from loragate.gateway.errors import OpenAIError
 from loragate.gateway.metrics import current_observation, route_path
 from loragate.gateway.request_body import read_json_object
 from loragate.gateway.runtime import Gateway
+from loragate.gateway.tracing import current_trace, trace_headers_of
 
 router = APIRouter()
 
@@ -44,17 +45,22 @@ def _request_id(headers: Mapping[str, str]) -> str:
 
 def admit(gateway: Gateway, request: HasHeaders) -> str:
     """Check where the request comes from (``cross_site``) and the caller's key; the request
-    id (recorded for the metrics and the access log)."""
+    id (recorded for the metrics and the access log). The W3C trace headers are kept for the
+    request to the engine (``tracing``)."""
     request_id = _request_id(request.headers)
+    trace = trace_headers_of(request.headers) if "traceparent" in request.headers else None
+    current_trace.set(trace)
     observation = current_observation.get()
     if observation is not None:
         observation.request_id = request_id
+        if trace:
+            observation.trace_id = trace["traceparent"].split("-")[1]
     gateway.cross_site.check_origin(request.headers)
     gateway.keys.check_inference(request)
     return request_id
 
 
-def _target_model(gateway: Gateway, payload: dict[str, Any]) -> str:
+def target_model(gateway: Gateway, payload: dict[str, Any]) -> str:
     model = payload.get("model")
     valid = gateway.backend.model_ids()
     if model is None:
@@ -104,7 +110,7 @@ async def completions(gateway: Gateway, request_id: str, payload: dict[str, Any]
 async def _forward(
     gateway: Gateway, path: str, payload: dict[str, Any], request_id: str
 ) -> Response:
-    model = _target_model(gateway, payload)
+    model = target_model(gateway, payload)
     stream = payload.get("stream") is True
     observation = current_observation.get()
     if observation is not None:

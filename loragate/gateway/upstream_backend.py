@@ -21,8 +21,10 @@ import orjson
 from starlette.responses import Response
 
 from loragate import plain_http
+from loragate.gateway.backend import EngineCall
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import ProxyClient, Rename
+from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.settings import Settings
 
 log = logging.getLogger("loragate.gateway")
@@ -140,19 +142,36 @@ class UpstreamBackend:
     async def forward(
         self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
     ) -> Response:
-        upstream_id = self._to_upstream(public_model)
-        payload["model"] = upstream_id
-        headers = {**self._headers, "Content-Type": "application/json", "X-Request-Id": request_id}
-        url = self.api_base + path.removeprefix("/v1")
+        def body(upstream_id: str | None) -> bytes:
+            payload["model"] = upstream_id
+            return orjson.dumps(payload)
+
+        call = EngineCall("POST", path, body, "application/json", public_model, stream, request_id)
+        return await self.relay(call)
+
+    async def relay(self, call: EngineCall) -> Response:
+        upstream_id = None if call.public_model is None else self._to_upstream(call.public_model)
+        headers = {**self._headers, "X-Request-Id": call.request_id, **outgoing_trace_headers()}
+        if call.content_type is not None:
+            headers["Content-Type"] = call.content_type
+        # /v1/... routes hang off the API base; the others (/tokenize, /version) off the root.
+        if call.path.startswith("/v1/"):
+            url = self.api_base + call.path.removeprefix("/v1")
+        else:
+            url = self.root + call.path
+        rename = None
+        if upstream_id is not None and call.public_model is not None:
+            rename = Rename.of(upstream_id, call.public_model)
         try:
             return await self.proxy.forward(
                 url,
-                orjson.dumps(payload),
+                call.body(upstream_id),
                 headers,
-                stream=stream,
-                rename=Rename.of(upstream_id, public_model),
+                stream=call.stream,
+                rename=rename,
                 on_done=_nothing,
-                response_headers={"X-Request-ID": request_id},
+                response_headers={"X-Request-ID": call.request_id},
+                method=call.method,
             )
         except OpenAIError as exc:
             exc.message = exc.message.replace("the engine", f"the upstream server {self.api_base}")

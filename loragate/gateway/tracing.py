@@ -1,0 +1,43 @@
+"""W3C trace context: a client's ``traceparent`` / ``tracestate`` go on to the engine.
+
+vLLM reads these headers when it runs with OpenTelemetry (``--otlp-traces-endpoint``), so
+its spans join the client's trace; the gateway's access log carries the trace id too, to find
+one request in both logs. A malformed ``traceparent`` is dropped (the W3C rule: start a new
+trace rather than pass on garbage), and ``tracestate`` only travels with a valid one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from contextvars import ContextVar
+
+# version "00": 2-hex version, 32-hex trace id, 16-hex parent id, 2-hex flags; later versions
+# may append fields after another dash.
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+_MAX_TRACESTATE = 512  # the W3C list limit is 32 members; this bounds what we pass on
+
+current_trace: ContextVar[dict[str, str] | None] = ContextVar("loragate_trace", default=None)
+
+
+def trace_headers_of(headers: Mapping[str, str]) -> dict[str, str]:
+    """The trace headers to pass on from a request's (lower-cased) headers; {} for none."""
+    parent = headers.get("traceparent")
+    if parent is None:
+        return {}
+    parent = parent.strip()
+    match = _TRACEPARENT.match(parent)
+    if match is None or match.group(1) == "ff" or (match.group(1) == "00" and match.group(5)):
+        return {}
+    if set(match.group(2)) == {"0"} or set(match.group(3)) == {"0"}:
+        return {}  # all-zero ids are invalid
+    found = {"traceparent": parent}
+    state = headers.get("tracestate")
+    if state and len(state) <= _MAX_TRACESTATE and state.isprintable():
+        found["tracestate"] = state.strip()
+    return found
+
+
+def outgoing_trace_headers() -> dict[str, str]:
+    """The current request's trace headers, for a request to the engine ({} when none)."""
+    return current_trace.get() or {}
