@@ -83,6 +83,13 @@ def serve(
         int | None, typer.Option(help="Largest adapter rank [default: 16].")
     ] = None,
     max_cpu_loras: Annotated[int | None, typer.Option(help="Engine-side adapter LRU size.")] = None,
+    tool_call_parser: Annotated[
+        str | None,
+        typer.Option(
+            help="vLLM's tool-call parser (e.g. hermes, llama3_json); 'none' for no tool calls "
+            "[default: the model family's, else hermes].",
+        ),
+    ] = None,
     cache_dir: Annotated[
         Path | None, typer.Option(help="Adapters, models, manifest, logs.")
     ] = None,
@@ -181,6 +188,7 @@ def serve(
         "max_loras": max_loras,
         "max_lora_rank": max_lora_rank,
         "max_cpu_loras": max_cpu_loras,
+        "tool_call_parser": tool_call_parser,
         "cache_dir": cache_dir,
         "api_key": api_key or None,
         "api_key_file": api_key_file,
@@ -210,6 +218,13 @@ def serve(
     from loragate.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_json)
+    if settings.upstream_url is None and settings.tool_call_parser not in (None, "none"):
+        from loragate.supervisor.tool_parsers import ToolParserError, check_tool_parser
+
+        try:
+            check_tool_parser(settings.tool_call_parser, settings.engine_python)
+        except ToolParserError as exc:
+            _fail(str(exc))
     if settings.engine_command is None and settings.upstream_url is None:
         from loragate.supervisor.preflight import run_preflight
 

@@ -83,6 +83,14 @@ class Settings(BaseSettings):
     max_loras: int = Field(default=2, ge=1)
     max_lora_rank: int = Field(default=16, ge=1)
     max_cpu_loras: int | None = Field(default=None, ge=1)
+    tool_call_parser: str | None = Field(
+        default=None,
+        description=(
+            "vLLM's tool-call parser (passed with --enable-auto-tool-choice; vLLM 0.32 wants both "
+            "for any tool_choice). Default: the model family's parser when its chat template "
+            "renders tools, else 'hermes' (named tool_choice works on any model); 'none': off."
+        ),
+    )
     engine_args: list[str] = Field(
         default_factory=list, description="Passed to the engine untouched."
     )

@@ -53,6 +53,7 @@ from loragate.supervisor.engine_command import EngineSpec, is_cpu_build
 from loragate.supervisor.pidfile import GatewayLock
 from loragate.supervisor.sd_notify import SystemdNotifier, watchdog_loop
 from loragate.supervisor.states import EngineState
+from loragate.supervisor.tool_parsers import tool_engine_args
 
 log = logging.getLogger("loragate.gateway")
 
@@ -193,6 +194,14 @@ class SupervisedEngineBackend:
             )
         self.model_dir = model_dir
         base_config = json.loads((model_dir / "config.json").read_text())
+        self._extra_engine_args += await asyncio.to_thread(
+            tool_engine_args,
+            settings.tool_call_parser,
+            model_dir,
+            base_config,
+            settings.engine_args,
+            settings.engine_python,
+        )
         cpu_build = await asyncio.to_thread(is_cpu_build, settings.engine_python)
         if cpu_build and not user_sized(settings.engine_args, dict(os.environ)):
             plan = plan_kv_cache(model_dir, base_config, settings.engine_args)

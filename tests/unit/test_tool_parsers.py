@@ -1,0 +1,103 @@
+"""Tool calling with one flag: parser names checked against vLLM, picked per model family."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from loragate.cli import app as cli_app
+from loragate.supervisor.tool_parsers import (
+    FALLBACK_PARSER,
+    FAMILY_PARSERS,
+    VLLM_032_TOOL_PARSERS,
+    ToolParserError,
+    _registered_names,
+    check_tool_parser,
+    pick_tool_parser,
+    tool_engine_args,
+)
+from tests.backend_double import free_port
+
+TOOLS_TEMPLATE = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def model_dir(tmp_path: Path, model_type: str, template: str | None) -> tuple[Path, dict[str, str]]:
+    config = {"model_type": model_type}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tokenizer = {"chat_template": template} if template is not None else {}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+    return tmp_path, config
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_the_checked_list_is_the_installed_vllms_registry() -> None:
+    from vllm.tool_parsers import ToolParserManager
+
+    registered = frozenset(ToolParserManager.list_registered())
+    assert registered == VLLM_032_TOOL_PARSERS
+    assert _registered_names(sys.executable) == registered  # read without importing vLLM
+
+
+def test_every_family_parser_is_one_vllm_knows() -> None:
+    assert set(FAMILY_PARSERS.values()) <= VLLM_032_TOOL_PARSERS
+
+
+def test_a_known_family_with_a_tools_template_gets_its_parser(tmp_path: Path) -> None:
+    directory, config = model_dir(tmp_path, "qwen2", TOOLS_TEMPLATE)
+    parser, why = pick_tool_parser(directory, config)
+    assert parser == "hermes"
+    assert "qwen2" in why
+    args = tool_engine_args(None, directory, config, [], sys.executable)
+    assert args == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+
+
+def test_hermes_without_a_tools_template_or_a_known_family(tmp_path: Path) -> None:
+    directory, config = model_dir(tmp_path, "qwen2", "{{ messages }}")
+    assert pick_tool_parser(directory, config)[0] is None
+    directory, config = model_dir(tmp_path, "mystery", TOOLS_TEMPLATE)
+    assert pick_tool_parser(directory, config)[0] is None
+    # vLLM 0.32 wants a parser even for a named tool_choice: the text-only hermes fits any model.
+    assert tool_engine_args(None, directory, config, [], sys.executable) == [
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        FALLBACK_PARSER,
+    ]
+
+
+def test_the_flag_wins_and_the_users_engine_args_win_over_it(tmp_path: Path) -> None:
+    directory, config = model_dir(tmp_path, "llama", None)
+    assert tool_engine_args("pythonic", directory, config, [], sys.executable) == [
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "pythonic",
+    ]
+    own = ["--enable-auto-tool-choice", "--tool-call-parser=hermes"]
+    assert tool_engine_args("pythonic", directory, config, own, sys.executable) == []
+    assert tool_engine_args("none", directory, config, [], sys.executable) == []
+
+
+def test_an_unknown_parser_name_is_refused_with_the_valid_ones() -> None:
+    with pytest.raises(ToolParserError, match="hermes"):
+        check_tool_parser("no-such-parser")
+
+
+def test_serve_refuses_an_unknown_parser_before_starting(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        cli_app,
+        [
+            "serve",
+            "--tool-call-parser",
+            "no-such-parser",
+            "--port",
+            str(free_port()),
+            "--cache-dir",
+            str(tmp_path),
+        ],
+    )
+    assert result.exit_code == 2
+    assert "llama3_json" in result.output
