@@ -16,13 +16,14 @@ import logging
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loragate import plain_http
+from loragate.gateway.engine_metrics import gateway_process_metrics, relabel_engine_metrics
 from loragate.gateway.engine_routes import engine_route
 
 if TYPE_CHECKING:
@@ -306,10 +307,23 @@ async def render(gateway: Gateway) -> bytes:
         "# TYPE loragate_engine_metrics_up gauge",
         f"loragate_engine_metrics_up {1 if engine_text else 0}",
     ]
-    text = "\n".join(lines).encode() + b"\n"
+    text = "\n".join(lines).encode() + b"\n" + gateway_process_metrics()
     if engine_text:
-        text += engine_text if engine_text.endswith(b"\n") else engine_text + b"\n"
+        text += relabel_engine_metrics(engine_text, _version_rename(manager))
     return text
+
+
+def _version_rename(manager: Any) -> Callable[[bytes], bytes] | None:
+    """Engine ids to public names in the engine's label values (``engine_names``)."""
+    base_id = getattr(manager, "base_engine_id", None)
+    base_name = getattr(manager, "base_name", None)
+    if not isinstance(base_id, str) or not isinstance(base_name, str):
+        return None
+    from loragate.gateway.engine_names import (
+        AnyVersionRename,  # it imports the proxy, which imports us
+    )
+
+    return AnyVersionRename(base_id, base_name).everywhere
 
 
 def _process_lines() -> list[str]:
@@ -377,9 +391,9 @@ async def _adapter_lines(manager: Any) -> list[str]:
         ]
     last = manager.last_load_seconds
     out += [
-        "# HELP loragate_adapter_last_load_seconds How long the last adapter load took.",
-        "# TYPE loragate_adapter_last_load_seconds gauge",
-        f"loragate_adapter_last_load_seconds {_number(last) if last is not None else 'NaN'}",
+        "# HELP loragate_adapter_last_load_duration_seconds How long the last adapter load took.",
+        "# TYPE loragate_adapter_last_load_duration_seconds gauge",
+        f"loragate_adapter_last_load_duration_seconds {_number(last) if last is not None else 'NaN'}",
         "# HELP loragate_adapters_served Public adapter names served now (the base model excluded).",
         "# TYPE loragate_adapters_served gauge",
         f"loragate_adapters_served {max(0, len(manager.public_models()) - 1)}",

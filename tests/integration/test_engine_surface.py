@@ -146,12 +146,12 @@ def test_a_named_tool_call_round_trip(sdk: OpenAI) -> None:
         messages=messages,
         tools=[WEATHER_TOOL],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=32,
+        max_tokens=200,
         temperature=0,
     )
     assert first.model == BASE
     calls = first.choices[0].message.tool_calls
-    assert calls
+    assert calls, first.model_dump()
     call = calls[0]
     assert call.type == "function"
     assert call.function.name == "get_weather"

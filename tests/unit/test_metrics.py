@@ -219,13 +219,13 @@ async def test_engine_state_adapters_and_the_engines_own_metrics_in_one_scrape(
     assert value(samples, "loragate_adapter_swaps_total") == 1
     assert value(samples, "loragate_adapter_load_failures_total") == 1
     assert value(samples, "loragate_adapter_unloads_total") == 0
-    assert value(samples, "loragate_adapter_last_load_seconds") == 0.25
+    assert value(samples, "loragate_adapter_last_load_duration_seconds") == 0.25
     assert value(samples, "loragate_adapters_served") == 2
     assert value(samples, "loragate_adapter_store_bytes") == 4096
     assert value(samples, "loragate_adapter_store_evictions_total") == 2
     # The engine's own metrics, fetched from its endpoint and appended.
     assert value(samples, "loragate_engine_metrics_up") == 1
-    assert value(samples, "vllm:request_success_total", model_name="base") == 1
+    assert value(samples, "vllm:request_success_total", model_name="base", component="engine") == 1
 
 
 async def test_a_silent_engine_does_not_break_the_scrape(engine: str, tmp_path: Path) -> None:

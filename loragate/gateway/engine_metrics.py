@@ -1,0 +1,89 @@
+"""The engine's own /metrics, as the gateway's scrape shows it, and the gateway's process metrics.
+
+The engine's series are appended to the gateway's scrape (``metrics.render``) with three
+changes, so one scrape target reads as one service:
+
+- every engine sample carries ``component="engine"``;
+- adapter version ids in label values (``fox@0123456789ab`` in
+  ``vllm:lora_requests_info``'s ``running_lora_adapters``) become public names (``fox``),
+  the zero adapter's becoming the base model's;
+- the engine's ``process_*`` and ``python_*`` families are dropped: those names belong to the
+  process being scraped, the gateway, whose own come from ``prometheus_client``'s standard
+  collectors (``process_*`` with open fds and start time, ``python_info``), once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Gauge,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+_OWN_FAMILIES = (b"process_", b"python_")
+_COMPONENT = b'component="engine"'
+
+_registry = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=_registry)
+PlatformCollector(registry=_registry)
+_build = Gauge(
+    "loragate_build_info",
+    "loragate's version (the value is always 1).",
+    ["version"],
+    registry=_registry,
+)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("loragate")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+_build.labels(version=_version()).set(1)
+
+
+def gateway_process_metrics() -> bytes:
+    """``process_*``, ``python_info`` and ``loragate_build_info``, as prometheus_client writes them."""
+    return generate_latest(_registry)
+
+
+def relabel_engine_metrics(text: bytes, rename: Callable[[bytes], bytes] | None) -> bytes:
+    """The engine's exposition with ``component="engine"``, public adapter names (``rename``
+    turns engine ids into them), and without the families that belong to the scraped process."""
+    out: list[bytes] = []
+    for line in text.splitlines():
+        if not line:
+            continue
+        if line.startswith(b"#"):
+            parts = line.split(b" ", 3)
+            if len(parts) >= 3 and parts[2].startswith(_OWN_FAMILIES):
+                continue
+            out.append(line)
+            continue
+        if line.startswith(_OWN_FAMILIES):
+            continue
+        if rename is not None and b"@" in line:
+            line = rename(line)
+        out.append(_with_component(line))
+    return b"\n".join(out) + b"\n" if out else b""
+
+
+def _with_component(sample: bytes) -> bytes:
+    brace = sample.find(b"{")
+    space = sample.find(b" ")
+    if brace != -1 and (space == -1 or brace < space):
+        closing = sample.find(b"}", brace)
+        if closing == brace + 1:  # name{} value
+            return sample[: brace + 1] + _COMPONENT + sample[closing:]
+        return sample[: brace + 1] + _COMPONENT + b"," + sample[brace + 1 :]
+    if space == -1:
+        return sample
+    return sample[:space] + b"{" + _COMPONENT + b"}" + sample[space:]
