@@ -87,7 +87,7 @@ def serve(
         str | None,
         typer.Option(
             help="vLLM's tool-call parser (e.g. hermes, llama3_json); 'none' for no tool calls "
-            "[default: the model family's, else hermes].",
+            "[default: the model family's, else pythonic].",
         ),
     ] = None,
     cache_dir: Annotated[

@@ -88,7 +88,7 @@ class Settings(BaseSettings):
         description=(
             "vLLM's tool-call parser (passed with --enable-auto-tool-choice; vLLM 0.32 wants both "
             "for any tool_choice). Default: the model family's parser when its chat template "
-            "renders tools, else 'hermes' (named tool_choice works on any model); 'none': off."
+            "renders tools, else 'pythonic' (named tool_choice works on any model); 'none': off."
         ),
     )
     engine_args: list[str] = Field(

@@ -6,9 +6,14 @@ vLLM answers ``tool_choice: "auto"`` only when started with ``--enable-auto-tool
 to be set"), although it answers those through structured outputs whatever the model and
 whatever the parser. So ``gateway serve`` always passes both: ``--tool-call-parser NAME`` when
 given; else the parser of the model's family when its format is known and the chat template
-renders ``tools`` (without that the model never saw the tools); else ``hermes``
-(``FALLBACK_PARSER``: plain-text ``<tool_call>`` JSON, needs no special tokens), so that named
-tool calls work on any model, and ``auto`` on a model (or adapter) that writes hermes calls.
+renders ``tools`` (without that the model never saw the tools); else ``pythonic``
+(``FALLBACK_PARSER``), so that named tool calls work on any model, and ``auto`` on a model (or
+adapter) that writes calls as ``[get_weather(city="Paris")]``. Why pythonic: it needs no
+special tokens and has no xgrammar structural tag, so a named or required ``tool_choice`` is
+constrained by the tool's own JSON schema, as ``response_format`` would be. Measured on the
+tiny demo: with ``hermes`` (whose structural tag wraps calls in ``<tool_call>`` tags the model
+has never seen) a named call came back with the arguments ``false``; with ``pythonic``, valid
+arguments.
 ``--tool-call-parser none`` passes neither (tool calls then fail at the engine).
 
 The names are read from the engine's installed vLLM (the ``_TOOL_PARSERS_TO_REGISTER`` table
@@ -91,7 +96,7 @@ VLLM_032_TOOL_PARSERS = frozenset(
     ]
 )
 
-FALLBACK_PARSER = "hermes"
+FALLBACK_PARSER = "pythonic"
 
 # config.json ``model_type`` -> the parser for the way that family writes tool calls.
 FAMILY_PARSERS = {

@@ -56,12 +56,12 @@ def test_a_known_family_with_a_tools_template_gets_its_parser(tmp_path: Path) ->
     assert args == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
-def test_hermes_without_a_tools_template_or_a_known_family(tmp_path: Path) -> None:
+def test_pythonic_without_a_tools_template_or_a_known_family(tmp_path: Path) -> None:
     directory, config = model_dir(tmp_path, "qwen2", "{{ messages }}")
     assert pick_tool_parser(directory, config)[0] is None
     directory, config = model_dir(tmp_path, "mystery", TOOLS_TEMPLATE)
     assert pick_tool_parser(directory, config)[0] is None
-    # vLLM 0.32 wants a parser even for a named tool_choice: the text-only hermes fits any model.
+    # vLLM 0.32 wants a parser even for a named tool_choice: pythonic fits any model.
     assert tool_engine_args(None, directory, config, [], sys.executable) == [
         "--enable-auto-tool-choice",
         "--tool-call-parser",
