@@ -48,7 +48,7 @@ def surface(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess
     ).start()
     try:
         process.wait_listening()
-        process.wait_ready()
+        process.wait_ready(timeout=900)  # the engine boots in about 45 s, minutes on a busy machine
         yield process
     finally:
         process.stop()

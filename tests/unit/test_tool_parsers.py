@@ -86,7 +86,12 @@ def test_an_unknown_parser_name_is_refused_with_the_valid_ones() -> None:
         check_tool_parser("no-such-parser")
 
 
-def test_serve_refuses_an_unknown_parser_before_starting(tmp_path: Path) -> None:
+def test_serve_refuses_an_unknown_parser_before_starting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # serve sets up logging first; left to it, CliRunner's closed stream would stay the
+    # handler of every later test's log lines.
+    monkeypatch.setattr("loragate.logs.configure_logging", lambda *args: None)
     result = CliRunner().invoke(
         cli_app,
         [
