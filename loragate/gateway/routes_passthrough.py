@@ -45,8 +45,7 @@ _RESPONSE_QUERY = ("stream", "starting_after")
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
-    gateway.cross_site.check_origin(request.headers)
-    gateway.keys.check_inference(request)
+    admit(gateway, request)  # the same origin, host and key checks as the model list
     ids = gateway.backend.model_ids()
     if model_id not in ids:
         raise OpenAIError(

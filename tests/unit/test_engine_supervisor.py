@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import threading
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -241,3 +242,24 @@ async def test_an_engine_that_died_under_a_slow_launcher_is_an_exit_not_a_hang(
             os.kill(launcher, signal.SIGCONT)
     await wait_for(lambda: running.serving and running.launcher_pid not in (None, launcher))
     assert reasons and reasons[0] == "engine killed by SIGKILL", reasons
+
+
+async def test_the_engine_spec_is_built_off_the_event_loop(tmp_path: Path) -> None:
+    """Building the spec verifies every boot adapter's digest (``boot_modules``): never on the loop."""
+    threads: list[str] = []
+    loop_thread = threading.current_thread().name
+
+    def build(socket_path: Path, api_key: str) -> EngineSpec:
+        threads.append(threading.current_thread().name)
+        return EngineSpec(
+            model="fake", served_name="fake", socket_path=socket_path, api_key=api_key,
+            max_loras=1, max_lora_rank=8, command=FAKE_ENGINE,
+        )  # fmt: skip
+
+    sup = EngineSupervisor(build, cache_dir=tmp_path, timings=FAST)
+    await sup.start()
+    try:
+        await sup.wait_until_serving(30)
+    finally:
+        await sup.stop()
+    assert threads and loop_thread not in threads, (loop_thread, threads)
