@@ -193,6 +193,14 @@ class Settings(BaseSettings):
     def _accept_single_string(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_args_leave_loragates_flags_alone(cls, value: list[str]) -> list[str]:
+        from loragate.supervisor.engine_flags import check_engine_args
+
+        check_engine_args(value)
+        return value
+
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _split_host_names(cls, value: Any) -> Any:

@@ -12,8 +12,8 @@ import contextlib
 import dataclasses
 import os
 import signal
-import threading
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path

@@ -54,7 +54,7 @@ async def engine() -> AsyncIterator[str]:
 
 def client_for(backend: ProxiedBackend, tmp_path: Path, **settings: Any) -> httpx.AsyncClient:
     app = create_app(Settings(cache_dir=tmp_path, admin_key=ADMIN, **settings), backend=backend)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
 
 
 def chat(model: str, **extra: Any) -> dict[str, Any]:
@@ -249,7 +249,7 @@ async def test_access_log_lines_carry_request_id_model_status_and_duration(
     observed = RequestObserver(app, GatewayMetrics(), access_log_enabled=True)
     caplog.set_level(logging.INFO, logger="loragate.access")
     async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=observed), base_url="http://gw"
+        transport=httpx.ASGITransport(app=observed), base_url="http://127.0.0.1"
     ) as client:
         response = await client.post(
             "/v1/chat/completions", json=chat("base"), headers={"X-Request-ID": "trace-42"}
