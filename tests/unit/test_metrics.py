@@ -13,7 +13,6 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from loragate.bench.fake_engine import FakeEngine, start_server
 from loragate.gateway.app import create_app
 from loragate.gateway.metrics import (
     UNKNOWN_MODEL,
@@ -25,6 +24,7 @@ from loragate.gateway.metrics import (
 from loragate.settings import Settings
 from loragate.supervisor.states import EngineState
 from tests.backend_double import ProxiedBackend
+from tools.bench.fake_engine import FakeEngine, start_server
 
 ADMIN = "admin-key"
 JSON = {"Content-Type": "application/json"}

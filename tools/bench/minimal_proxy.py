@@ -5,7 +5,7 @@ answer: no routing, checks, auth, metrics or model names. Whatever it adds on to
 engine is what uvicorn, asyncio and the upstream client cost on that machine, the floor for
 any gateway built from them; the gap between it and loragate is loragate's own logic.
 
-    LORAGATE_BENCH_UPSTREAM_KEY=KEY python -m loragate.bench.minimal_proxy --port P --upstream URL \
+    LORAGATE_BENCH_UPSTREAM_KEY=KEY python -m tools.bench.minimal_proxy --port P --upstream URL \
         [--upstream-uds PATH]
 """
 
