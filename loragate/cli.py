@@ -275,7 +275,7 @@ def serve(
         "log_json": log_json,
         "access_log": access_log,
     }
-    from loragate.supervisor.engine_flags import check_engine_args
+    from loragate.engine_flags import check_engine_args
 
     try:
         check_engine_args(ctx.args)
@@ -319,7 +319,7 @@ def serve(
         return
     import uvicorn
 
-    from loragate.gateway.runtime import server_options
+    from loragate.gateway.server_options import server_options
 
     # What is alive now (modules, the app) lives as long as the process: out of the
     # collector's sight, a collection walks only what requests allocate (a gen-1 pass takes

@@ -27,7 +27,7 @@ from starlette.responses import Response, StreamingResponse
 
 from loragate.gateway import hot_protocol, proxy
 from loragate.gateway.app import create_app
-from loragate.gateway.runtime import server_options
+from loragate.gateway.server_options import server_options
 from loragate.settings import Settings
 from tests.backend_double import ProxiedBackend, RecordingBackend, serving
 from tools.bench.fake_engine import FakeEngine, start_server

@@ -64,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     import uvicorn
 
-    from loragate.gateway.runtime import server_options
+    from loragate.gateway.server_options import server_options
 
     app = build(
         args.upstream.rstrip("/"),
