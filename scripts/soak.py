@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Soak the gateway: mixed load, adapter swaps, hostile requests, one engine kill.
 
-See loragate/bench/soak.py for what is sent and judged. It starts its own gateway on the
+See tools/bench/soak.py for what is sent and judged. It starts its own gateway on the
 tiny demo (whose adapters answer fixed words, which is how it tells who answered):
 
 .venv/bin/python scripts/soak.py                       # 150 s
@@ -12,7 +12,12 @@ tiny demo (whose adapters answer fixed words, which is how it tells who answered
 CI runs a 90-second version (tests/integration/test_soak.py).
 """
 
-from loragate.bench.soak_command import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/ is not installed
+
+from tools.bench.soak_command import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from loragate.gateway.app import create_app
 from loragate.gateway.engine_backend import SupervisedEngineBackend
 from loragate.gateway.proxy import ProxyClient
-from loragate.gateway.runtime import server_options
+from loragate.gateway.server_options import server_options
 from loragate.settings import Settings
 
 

@@ -232,22 +232,7 @@ def test_admin_operations_without_the_admin_key_are_refused_whatever_the_input(
 
     for operation in admin_ops:
         for headers in ({}, {"Authorization": "Bearer not-the-admin-key"}):
-
-            @settings(
-                max_examples=KEYLESS_EXAMPLES,
-                deadline=None,
-                database=None,
-                phases=[Phase.generate],
-                suppress_health_check=list(HealthCheck),
-            )
-            @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode.POSITIVE))
-            def refused(case: Any, headers: dict[str, str] = headers) -> None:
-                sent[case.operation.label] += 1
-                response = case.call(base_url=gateway.url, headers=headers, timeout=60)
-                if response.status_code not in (401, 403) or not _is_openai_error(response):
-                    wrong.append(f"{case.operation.label}: {response.status_code} {_excerpt(case)}")
-
-            refused()
+            _keyless_fuzzer(operation, headers, gateway.url, sent, wrong)()
 
     assert not wrong, wrong[:10]
     assert set(sent) == {op.label for op in admin_ops}
@@ -257,3 +242,23 @@ def test_admin_operations_without_the_admin_key_are_refused_whatever_the_input(
         before[0]["restarts"],
     )
     assert gateway.admin("GET", "/admin/adapters").json()["data"] == before[1]
+
+
+def _keyless_fuzzer(
+    operation: Any, headers: dict[str, str], url: str, sent: Counter[str], wrong: list[str]
+) -> Any:
+    @settings(
+        max_examples=KEYLESS_EXAMPLES,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode.POSITIVE))
+    def refused(case: Any) -> None:
+        sent[operation.label] += 1
+        response = case.call(base_url=url, headers=headers, timeout=60)
+        if response.status_code not in (401, 403) or not _is_openai_error(response):
+            wrong.append(f"{operation.label}: {response.status_code} {_excerpt(case)}")
+
+    return refused

@@ -33,8 +33,8 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from loragate.bench.hostile_inputs import Canary, corpus, state_of
 from tests.gateway_process import ADMIN_KEY, GatewayProcess
+from tools.bench.hostile_inputs import Canary, corpus, state_of
 
 pytestmark = pytest.mark.engine
 
@@ -550,7 +550,7 @@ def keyed_gateway(
     key_file.write_text("# inference keys, one a line\n" + "\n".join(FILE_KEYS) + "\n")
     key_file.chmod(0o600)
     config = workdir / "gateway.yaml"
-    engine = [sys.executable, "-m", "loragate.bench.fake_engine"]
+    engine = [sys.executable, "-m", "tools.bench.fake_engine"]
     config.write_text(json.dumps({"engine_command": engine}))  # JSON is YAML
     args = [f"--api-key={key}" for key in FLAG_KEYS]
     process = GatewayProcess(
@@ -674,7 +674,7 @@ def keyed_gateway_children(gateway: GatewayProcess) -> list[psutil.Process]:
 def test_every_hostile_input_gets_a_clear_4xx_and_nothing_is_read_fetched_or_changed(
     gateway: GatewayProcess, engine_untouched: None
 ) -> None:
-    """loragate.bench.hostile_inputs: SSRF spellings, fetchable part types, files outside the
+    """tools.bench.hostile_inputs: SSRF spellings, fetchable part types, files outside the
     media dir, cross-site and rebinding requests, unauthenticated and oversized bodies, the
     engine's own routes, escaping names, an archive bomb, credentials in a source."""
     with Canary() as canary, httpx.Client(base_url=gateway.url, timeout=120) as http:

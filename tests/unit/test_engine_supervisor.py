@@ -1,6 +1,6 @@
 """The supervisor's state machine with real processes and signals, on a stand-in engine.
 
-The stand-in (``loragate.bench.fake_engine``) takes vLLM's command line and answers /health at
+The stand-in (``tools.bench.fake_engine``) takes vLLM's command line and answers /health at
 once, so these tests exercise spawn, probes, restarts, backoff and the crash-loop breaker in
 seconds. The real engine's version of these lives in tests/integration.
 """
@@ -12,8 +12,8 @@ import contextlib
 import dataclasses
 import os
 import signal
-import threading
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,7 +26,7 @@ from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable, Supe
 from loragate.supervisor.engine_command import EngineSpec
 from loragate.supervisor.states import TRANSITIONS, EngineState
 
-FAKE_ENGINE = [sys.executable, "-m", "loragate.bench.fake_engine"]
+FAKE_ENGINE = [sys.executable, "-m", "tools.bench.fake_engine"]
 # Fails the way vLLM does on a configuration error: the root cause, then the API server's
 # wrapper that points at it.
 MISCONFIGURED_ENGINE = [

@@ -35,8 +35,8 @@ from typing import Any
 import httpx
 import psutil
 
-from loragate.bench.hostile_inputs import Canary, Hostile, corpus
 from loragate.demo.layout import DEMO_ADAPTERS, DEMO_MODEL_NAME
+from tools.bench.hostile_inputs import Canary, Hostile, corpus
 
 SWAPPED = "soak-swap"
 PHRASES = {adapter.name: adapter.phrase.strip() for adapter in DEMO_ADAPTERS}

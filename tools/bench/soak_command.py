@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from loragate.bench.soak import Soak, SoakPlan, pid_listening_on
 from loragate.demo.layout import demo_adapter_dir, ensure_demo
+from tools.bench.soak import Soak, SoakPlan, pid_listening_on
 
 # ----- the command line -----------------------------------------------------------------------
 
