@@ -420,6 +420,12 @@ class SupervisedEngineBackend:
                 raise
         return engine_id
 
+    def rename_engine_ids(self, data: bytes) -> bytes:
+        """Adapter version ids in ``data`` (the engine's metric labels) to public names."""
+        if self.manager is None:
+            return data
+        return AnyVersionRename(self.manager.base_engine_id, self.base_name).everywhere(data)
+
     def _request_done(self, manager: AdapterManager, engine_id: str) -> None:
         manager.release(engine_id)
         if self.slots is not None:

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -309,21 +309,8 @@ async def render(gateway: Gateway) -> bytes:
     ]
     text = "\n".join(lines).encode() + b"\n" + gateway_process_metrics()
     if engine_text:
-        text += relabel_engine_metrics(engine_text, _version_rename(manager))
+        text += relabel_engine_metrics(engine_text, getattr(backend, "rename_engine_ids", None))
     return text
-
-
-def _version_rename(manager: Any) -> Callable[[bytes], bytes] | None:
-    """Engine ids to public names in the engine's label values (``engine_names``)."""
-    base_id = getattr(manager, "base_engine_id", None)
-    base_name = getattr(manager, "base_name", None)
-    if not isinstance(base_id, str) or not isinstance(base_name, str):
-        return None
-    from loragate.gateway.engine_names import (
-        AnyVersionRename,  # it imports the proxy, which imports us
-    )
-
-    return AnyVersionRename(base_id, base_name).everywhere
 
 
 def _process_lines() -> list[str]:

@@ -17,6 +17,7 @@ from starlette.responses import PlainTextResponse
 
 from loragate.gateway.app import create_app
 from loragate.gateway.engine_metrics import relabel_engine_metrics
+from loragate.gateway.engine_names import AnyVersionRename
 from loragate.settings import Settings
 from loragate.supervisor.states import EngineState
 from tests.backend_double import ProxiedBackend, serving
@@ -62,12 +63,12 @@ def scrape(tmp_path: Path) -> Iterator[str]:
             last_load_seconds=0.5,
             public_models=lambda: ["base", "fox"],
             store=SimpleNamespace(total_bytes=lambda: 0, evictions=0),
-            base_engine_id="__base__@0123456789ab",
-            base_name="base",
         )
         backend: Any = ProxiedBackend(
             engine_url, ["base", "fox"], supervisor=supervisor, manager=manager
         )
+        # As the supervised engine's backend does: engine ids back to public names.
+        backend.rename_engine_ids = AnyVersionRename("__base__@0123456789ab", "base").everywhere
         app = create_app(Settings(cache_dir=tmp_path), backend=backend)
         with serving(app) as url:
             yield httpx.get(url + "/metrics", timeout=10).text
