@@ -26,6 +26,8 @@ OWNED_FLAGS: dict[str, str] = {
     "--allowed-local-media-path": "use --allowed-media-dir (or --allowed-local-media-path before `--`)",
     "--allowed-media-domains": "not needed: the gateway fetches image URLs itself, after its checks",
     "--allowed-origins": "use --cors-origin (or --allowed-origins before `--`)",
+    "--tool-call-parser": "use --tool-call-parser (before `--`): the gateway checks the name",
+    "--enable-auto-tool-choice": "not needed: the gateway passes it with the tool-call parser",
 }
 
 

@@ -220,7 +220,8 @@ def tool_engine_args(
     engine_args: list[str],
     python: str,
 ) -> list[str]:
-    """The engine flags for tool calling (logged); none when the user passed their own."""
+    """The engine flags for tool calling (logged); none when engine arguments already carry
+    them (the CLI refuses them after ``--``; a config file or ``create_server`` may not)."""
     parser: str | None
     if any(arg.startswith("--tool-call-parser") for arg in engine_args):
         log.info("tool calling: as the engine arguments after -- say")

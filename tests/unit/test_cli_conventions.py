@@ -86,6 +86,7 @@ def test_unknown_options_and_stray_arguments_before_the_separator_are_errors(
         ("--max-loras", "use --max-loras"),
         ("--allowed-local-media-path", "use --allowed-media-dir"),
         ("--uds", "not needed"),
+        ("--tool-call-parser", "use --tool-call-parser"),
     ],
 )
 def test_loragate_owned_engine_flags_after_the_separator_are_refused_with_the_flag_to_use(
