@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,19 +250,44 @@ def test_audio_routes_want_an_upload(gateway: httpx.Client, seen: list[Seen]) ->
     assert engine_paths(seen) == []
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def test_trace_context_reaches_the_engine_and_the_access_log(
-    gateway: httpx.Client, seen: list[Seen], caplog: pytest.LogCaptureFixture
+    gateway: httpx.Client, seen: list[Seen]
 ) -> None:
-    caplog.set_level(logging.INFO, logger="loragate.access")
-    headers = {"traceparent": TRACEPARENT, "tracestate": "vendor=1"}
-    gateway.post("/v1/chat/completions", json={"model": "demo", "messages": []}, headers=headers)
-    gateway.post("/tokenize", json={"prompt": "hi"}, headers=headers)
+    # A handler on the access logger itself: other tests may have set up logging so that its
+    # records do not propagate to pytest's capture.
+    access = logging.getLogger("loragate.access")
+    handler, level = _Lines(), access.level
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    try:
+        headers = {"traceparent": TRACEPARENT, "tracestate": "vendor=1"}
+        gateway.post(
+            "/v1/chat/completions", json={"model": "demo", "messages": []}, headers=headers
+        )
+        gateway.post("/tokenize", json={"prompt": "hi"}, headers=headers)
+        deadline = time.monotonic() + 5  # the line is written just after the answer is sent
+        while not any("/tokenize" in line for line in handler.lines):
+            assert time.monotonic() < deadline, handler.lines
+            time.sleep(0.01)
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
     forwarded = [s for s in seen if s.path in ("/v1/chat/completions", "/tokenize")]
     assert [s.path for s in forwarded] == ["/tokenize"]  # the empty chat was refused (400)
     assert forwarded[0].headers["traceparent"] == TRACEPARENT
     assert forwarded[0].headers["tracestate"] == "vendor=1"
-    lines = [r.getMessage() for r in caplog.records if r.name == "loragate.access"]
-    assert any("/tokenize" in line and "trace_id=4bf92f3577b34da6" in line for line in lines)
+    assert any(
+        "/tokenize" in line and "trace_id=4bf92f3577b34da6" in line for line in handler.lines
+    )
 
 
 def test_only_valid_trace_parents_travel() -> None:
