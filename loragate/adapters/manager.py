@@ -313,6 +313,15 @@ class AdapterManager:
                 raise AdapterError(
                     exc.detail, status=400, code="adapter_refused_by_engine"
                 ) from None
+            except EngineUnavailable as exc:
+                # The engine died under the load: nothing changed here; the version is in the
+                # store, so asking again once the engine is back is cheap.
+                self.counters["load_failures"] += 1
+                raise AdapterError(
+                    f"{exc}; the adapter was not swapped: try again once the engine is ready",
+                    status=503,
+                    code="engine_unavailable",
+                ) from None
             self._loaded.add(eid)
             self.counters["loads"] += 1
         self.last_load_seconds = time.perf_counter() - started
