@@ -223,6 +223,8 @@ def _stream_to(
 ) -> None:
     from tqdm.auto import tqdm
 
+    from loragate.adapters.progress import report_bytes  # here: progress imports this module
+
     ends, seconds = deadline
     size = offset
     mode = "ab" if offset else "wb"
@@ -249,6 +251,7 @@ def _stream_to(
                 )
             sink.write(block)
             bar.update(len(block))
+            report_bytes(size, total)
             if time.monotonic() > ends:
                 raise DownloadError(
                     f"downloading {redact(url)} did not finish within {seconds:g} s ({size} of "
