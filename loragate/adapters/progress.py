@@ -72,9 +72,7 @@ class AddProgress:
         }
 
 
-current_progress: ContextVar[AddProgress | None] = ContextVar(
-    "loragate_add_progress", default=None
-)
+current_progress: ContextVar[AddProgress | None] = ContextVar("loragate_add_progress", default=None)
 
 
 def report_stage(stage: str) -> None:

@@ -14,10 +14,8 @@ import collections
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
-
-from loragate.supervisor.engine_log import tail_lines
 
 KEEP_LINES = 2000
 POLL_SECONDS = 0.3
@@ -52,9 +50,7 @@ class RecentLogLines(logging.Handler):
     def after(self, number: int) -> tuple[int, list[str]]:
         """Lines numbered ``number`` and up (those still kept), and the number after them."""
         lines = [(n, line) for n, line in list(self._lines) if n >= number]
-        return (lines[-1][0] + 1 if lines else max(number, self._next)), [
-            line for _, line in lines
-        ]
+        return (lines[-1][0] + 1 if lines else max(number, self._next)), [line for _, line in lines]
 
 
 _recent: RecentLogLines | None = None
@@ -75,7 +71,7 @@ def recent_gateway_log() -> RecentLogLines:
     return _recent
 
 
-async def gateway_lines(count: int, follow: bool) -> AsyncIterator[str]:
+async def gateway_lines(count: int, follow: bool) -> AsyncGenerator[str, None]:
     recent = recent_gateway_log()
     number, lines = recent.last(count)
     for line in lines:
@@ -87,12 +83,13 @@ async def gateway_lines(count: int, follow: bool) -> AsyncIterator[str]:
             yield line
 
 
-async def engine_lines(path: Path, count: int, follow: bool) -> AsyncIterator[str]:
-    for line in await asyncio.to_thread(tail_lines, path, count):
+async def engine_lines(path: Path, count: int, follow: bool) -> AsyncGenerator[str, None]:
+    # The tail, and the size it ends at, read together: lines written meanwhile come next.
+    position, tail = await asyncio.to_thread(_tail, path, count)
+    for line in tail:
         yield line
     if not follow:
         return
-    position = await asyncio.to_thread(_size, path)
     partial = b""
     while True:
         await asyncio.sleep(POLL_SECONDS)
@@ -106,6 +103,15 @@ async def engine_lines(path: Path, count: int, follow: bool) -> AsyncIterator[st
         *complete, partial = (partial + data).split(b"\n")
         for raw in complete:
             yield raw.decode("utf-8", errors="replace").rstrip("\r")
+
+
+def _tail(path: Path, count: int, max_bytes: int = 64 * 1024) -> tuple[int, list[str]]:
+    size = _size(path)
+    data = _read(path, max(0, size - max_bytes), min(size, max_bytes))
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    if size > max_bytes:
+        lines = lines[1:]  # begins mid-line
+    return size, lines[-count:] if count > 0 else []
 
 
 def _size(path: Path) -> int:

@@ -79,9 +79,7 @@ async def get_adapter(name: str, request: Request) -> dict[str, Any]:
         body = manager.describe(name)
     except KeyError:
         if record is None:
-            raise OpenAIError(
-                404, f"no adapter named {name!r}", code="adapter_not_found"
-            ) from None
+            raise OpenAIError(404, f"no adapter named {name!r}", code="adapter_not_found") from None
         body = {"name": name, "state": record.stage if record.finished else "adding"}
     return {**body, "progress": record.as_dict() if record else None}
 
