@@ -68,6 +68,15 @@ export function drawTraffic(canvas, points) {
       drawing = true;
     });
     g.stroke();
+    g.fillStyle = color;  // a point with no neighbour draws no line: a dot instead
+    points.forEach((point, index) => {
+      const v = value(point);
+      const alone = (i) => i < 0 || i >= points.length || value(points[i]) === null || value(points[i]) === undefined;
+      if (v === null || v === undefined || !(alone(index - 1) && alone(index + 1))) return;
+      g.beginPath();
+      g.arc(x(index), pad.top + h - (h * Math.min(v, max)) / max, 2.5, 0, 2 * Math.PI);
+      g.fill();
+    });
   };
   line(COLORS.rps, (p) => p.rps, rpsMax);
   line(COLORS.latency, (p) => p.latency_avg, secondsMax);

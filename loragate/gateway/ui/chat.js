@@ -45,7 +45,7 @@ export class ChatBox {
       const answer = document.getElementById(`chat-answer-${pane}`);
       answer.textContent = "";
       answer.dataset.model = model;
-      answer.dataset.done = "no";
+      answer.dataset.done = model ? "no" : "yes";
       if (!model) return;
       try {
         await streamChat(model, prompt, (text) => answer.append(text), controller.signal);
