@@ -255,13 +255,12 @@ def test_killing_the_engine_shows_the_state_change_and_recovery_without_a_reload
     before = served.engine_info()
     page.execute_script("window.sameDocument = true")
     os.kill(int(before["pid"]), signal.SIGKILL)
-    state = page.find_element(By.ID, "engine-state")
-    seen = wait_until(
-        page,
-        lambda: state.text if state.text not in ("ready", "") else None,
-        "the engine leaving ready",
-        60,
-    )
+
+    def engine_state() -> str | None:  # found again each time: the page redraws it every poll
+        text = str(page.find_element(By.ID, "engine-state").text)
+        return text if text not in ("ready", "") else None
+
+    seen = wait_until(page, engine_state, "the engine leaving ready", 60)
     assert seen in ("restarting", "starting"), seen
     page.save_screenshot(str(shots / "status-page-restarting.png"))
     wait_until(
