@@ -31,7 +31,7 @@ MARKUP = "<img src=x onerror=window.pwned=1>"
 def served(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     process = GatewayProcess(cache_dir=tmp_path_factory.mktemp("status-page-gateway")).start()
     try:
-        process.wait_ready()
+        process.wait_ready(timeout=600)  # a shared, busy CI box can take minutes to boot it
         yield process
     finally:
         process.stop()

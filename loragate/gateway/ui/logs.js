@@ -63,7 +63,9 @@ export class LogTail {
       setTimeout(() => this.controller === controller && this.follow(0), 3000);
       return;
     }
-    if (this.controller === controller) this.follow(0);
+    // The server ends a followed tail after a while: ask again (a moment later, so that a
+    // gateway with nothing to follow is not asked in a loop).
+    if (this.controller === controller) setTimeout(() => this.controller === controller && this.follow(0), 1000);
   }
 
   add(raw) {
