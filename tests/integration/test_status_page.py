@@ -89,10 +89,31 @@ def row(driver: Any, name: str) -> Any:
 
 
 def cell(driver: Any, name: str, column: str) -> str:
+    """The text in one adapter's column, read again if the page redrew the row meanwhile."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
-    found = row(driver, name)
-    return found.find_element(By.CLASS_NAME, column).text if found is not None else ""
+    for _ in range(10):
+        try:
+            found = row(driver, name)
+            return str(found.find_element(By.CLASS_NAME, column).text) if found is not None else ""
+        except StaleElementReferenceException:
+            time.sleep(0.1)
+    raise AssertionError(f"the row of {name} kept being redrawn")
+
+
+def click_in_row(driver: Any, name: str, button: str) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    def clicked() -> bool:
+        try:
+            row(driver, name).find_element(By.CLASS_NAME, button).click()
+            return True
+        except StaleElementReferenceException:
+            return False
+
+    wait_until(driver, clicked, f"the {button} button of {name}", 10)
 
 
 def add_through_page(driver: Any, name: str, source: Path | str) -> None:
@@ -117,16 +138,12 @@ def ask_in_chat_box(driver: Any, first: str, second: str = "") -> tuple[str, str
     from selenium.webdriver.support.ui import Select
 
     for pane, model in ((1, first), (2, second)):
-        wait_until(
-            driver,
-            lambda pane=pane, model=model: (
-                model == ""
-                or driver.find_elements(
-                    By.CSS_SELECTOR, f'#chat-model-{pane} option[value="{model}"]'
-                )
-            ),
-            f"{model} in the model picker",
-        )
+
+        def offered(pane: int = pane, model: str = model) -> bool:
+            option = f'#chat-model-{pane} option[value="{model}"]'
+            return model == "" or bool(driver.find_elements(By.CSS_SELECTOR, option))
+
+        wait_until(driver, offered, f"{model} in the model picker")
         Select(driver.find_element(By.ID, f"chat-model-{pane}")).select_by_value(model)
     prompt = driver.find_element(By.ID, "chat-prompt")
     prompt.clear()
@@ -135,12 +152,11 @@ def ask_in_chat_box(driver: Any, first: str, second: str = "") -> tuple[str, str
     answers = []
     for pane in (1, 2):
         answer = driver.find_element(By.ID, f"chat-answer-{pane}")
-        wait_until(
-            driver,
-            lambda answer=answer: answer.get_attribute("data-done") == "yes",
-            "an answer",
-            120,
-        )
+
+        def answered(answer: Any = answer) -> bool:
+            return bool(answer.get_attribute("data-done") == "yes")
+
+        wait_until(driver, answered, "an answer", 120)
         answers.append(answer.text)
     assert driver.find_element(By.ID, "chat-message").text == ""
     return answers[0], answers[1]
@@ -155,7 +171,11 @@ def test_page_loads_without_console_errors_and_lists_the_demo_adapters(
     from selenium.webdriver.common.by import By
 
     for name in ("pong", "fox", "owl"):
-        wait_until(page, lambda name=name: cell(page, name, "state") == "ready", f"{name} ready")
+
+        def ready(name: str = name) -> bool:
+            return cell(page, name, "state") == "ready"
+
+        wait_until(page, ready, f"{name} ready")
         assert cell(page, name, "active") == version_of(served, name)[:12]
     wait_until(
         page, lambda: page.find_element(By.ID, "engine-state").text == "ready", "the engine ready"
@@ -190,7 +210,6 @@ def test_adding_an_adapter_through_the_page_serves_it_in_the_chat_box(
 def test_rollback_through_the_page_changes_the_active_version(
     page: Any, served: GatewayProcess, demo_dir: Path, tmp_path: Path, shots: Path
 ) -> None:
-    from selenium.webdriver.common.by import By
 
     first = version_of(served, "echo")
     foxy = fx.with_unique_config(demo_dir / "adapters" / "fox", tmp_path / "echo-v2")
@@ -207,7 +226,7 @@ def test_rollback_through_the_page_changes_the_active_version(
     )
     assert cell(page, "echo", "previous") == first[:12]
     assert phrase_of(ask_in_chat_box(page, "echo")[0]) == "fox"
-    row(page, "echo").find_element(By.CLASS_NAME, "rollback").click()
+    click_in_row(page, "echo", "rollback")
     wait_until(
         page, lambda: cell(page, "echo", "active") == first[:12], "the rolled-back version", 120
     )

@@ -22,10 +22,11 @@ function setAdmin(admin, note) {
 
 // ----- engine ---------------------------------------------------------------------------
 
+// Redrawn in place: a fact's element stays while its value changes (so a reader, or a
+// selection, is not pulled from under the text every second).
 function renderEngine(info, health) {
   const facts = [];
-  const add = (name, value, className) =>
-    facts.push(el("dt", { text: name }), el("dd", { text: value ?? "–", className, id: `engine-${name.replaceAll(" ", "-")}` }));
+  const add = (name, value, className) => facts.push([name, value ?? "–", className || ""]);
   if (info) {
     add("state", info.state, `state-${info.state}`);
     add("reason", info.reason);
@@ -41,7 +42,18 @@ function renderEngine(info, health) {
     add("state", health.status, `state-${health.status}`);
     add("reason", health.reason || "");
   }
-  document.getElementById("engine-facts").replaceChildren(...facts);
+  const list = document.getElementById("engine-facts");
+  const names = facts.map(([name]) => name).join("|");
+  if (list.dataset.names !== names) {
+    list.dataset.names = names;
+    list.replaceChildren(...facts.flatMap(([name]) =>
+      [el("dt", { text: name }), el("dd", { id: `engine-${name.replaceAll(" ", "-")}` })]));
+  }
+  for (const [name, value, className] of facts) {
+    const node = document.getElementById(`engine-${name.replaceAll(" ", "-")}`);
+    if (node.textContent !== String(value)) node.textContent = String(value);
+    if (node.className !== className) node.className = className;
+  }
 }
 
 // ----- adapters -------------------------------------------------------------------------
@@ -81,7 +93,16 @@ function actionButtons(adapter) {
   return el("td", { className: "admin-only" }, swap, rollback, remove);
 }
 
+function clock(epochSeconds) {
+  return epochSeconds ? new Date(epochSeconds * 1000).toLocaleTimeString() : "–";
+}
+
+let drawnAdapters = "";
 function renderAdapters(adapters) {
+  // Redrawn only when something shown changed: rows, buttons and focus stay put otherwise.
+  const drawn = JSON.stringify([adapters, page.admin, [...page.busy], page.confirmRemove]);
+  if (drawn === drawnAdapters) return;
+  drawnAdapters = drawn;
   const rows = adapters.map((a) =>
     el("tr", { dataset: { name: a.name, version: a.version || "" } },
       el("td", { className: "name" }, el("code", { text: a.name })),
@@ -90,7 +111,7 @@ function renderAdapters(adapters) {
       el("td", { className: "previous", title: a.previous_version || "" }, el("code", { text: short(a.previous_version) })),
       el("td", { className: "source", text: a.source ?? "–" }),
       el("td", { className: "follow", text: a.follow === undefined ? "–" : a.follow ? "yes" : "no" }),
-      el("td", { className: "loaded", text: ago(a.loaded_at) }),
+      el("td", { className: "loaded", text: clock(a.loaded_at), title: a.loaded_at ? new Date(a.loaded_at * 1000).toISOString() : "" }),
       page.admin ? actionButtons(a) : el("td", { className: "admin-only" })),
   );
   const failures = adapters.filter((a) => a.error || a.follow_error).map((a) =>
@@ -99,9 +120,13 @@ function renderAdapters(adapters) {
   document.getElementById("adapter-rows").replaceChildren(...rows, ...failures);
 }
 
+let drawnAdds = "";
 function renderAdds(records) {
   const now = Date.now() / 1000;
   const shown = records.filter((r) => !r.finished || page.adding.has(r.name) || now - r.updated_at < 30);
+  const drawn = JSON.stringify(shown);
+  if (drawn === drawnAdds) return;
+  drawnAdds = drawn;
   document.getElementById("adds").replaceChildren(...shown.map((r) => {
     const at = STAGES.indexOf(r.stage);
     const stages = STAGES.map((stage, index) => {
