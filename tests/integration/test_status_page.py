@@ -21,7 +21,8 @@ from tests.browser import artifacts_dir, console_errors, start_chromium, wait_un
 from tests.conftest import phrase_of
 from tests.gateway_process import ADMIN_KEY, GatewayProcess
 
-pytestmark = pytest.mark.engine
+# The first test also waits for the engine's boot, which takes minutes on a busy CI box.
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
 BASE = "loragate-demo"
 MARKUP = "<img src=x onerror=window.pwned=1>"
@@ -31,7 +32,7 @@ MARKUP = "<img src=x onerror=window.pwned=1>"
 def served(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     process = GatewayProcess(cache_dir=tmp_path_factory.mktemp("status-page-gateway")).start()
     try:
-        process.wait_ready(timeout=600)  # a shared, busy CI box can take minutes to boot it
+        process.wait_ready(timeout=900)  # a shared, busy CI box can take minutes to boot it
         yield process
     finally:
         process.stop()
