@@ -3,9 +3,11 @@ tail, the traffic series, and the admin API's add progress, each under the admin
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +209,13 @@ async def test_recent_traffic_needs_the_admin_key_when_metrics_are_private(
         assert (await http.get("/metrics")).status_code == 401
         assert (await http.get("/metrics/recent")).status_code == 401
         assert (await http.get("/metrics/recent", headers=AUTH)).status_code == 200
+
+
+def test_every_page_file_ships_in_the_wheel() -> None:
+    """``pip install .`` copies package data only where pyproject lists it."""
+    root = Path(__file__).resolve().parents[2]
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["loragate.gateway"]
+    for path in (root / "loragate" / "gateway" / "ui").iterdir():
+        relative = f"ui/{path.name}"
+        assert any(fnmatch.fnmatch(relative, p) for p in patterns), f"{relative} would not ship"
