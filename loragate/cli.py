@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import gc
 import json
 import logging
@@ -11,15 +12,20 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(
     help="loragate: serve your own fine-tuned LoRA adapters locally, hot-swapped, behind one "
     "OpenAI-compatible endpoint.",
     no_args_is_help=True,
     add_completion=False,
+    context_settings=HELP_OPTIONS,
 )
 adapters_app = typer.Typer(
-    help="Manage the adapters of a running gateway (admin API).", no_args_is_help=True
+    help="Manage the adapters of a running gateway (admin API).",
+    no_args_is_help=True,
+    context_settings=HELP_OPTIONS,
 )
 app.add_typer(adapters_app, name="adapters")
 
@@ -50,7 +56,55 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def _version(value: bool) -> None:
+    if value:
+        from loragate import __version__
+
+        typer.echo(f"loragate {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """loragate: serve your own fine-tuned LoRA adapters locally, hot-swapped, behind one
+    OpenAI-compatible endpoint."""
+
+
+class LogLevel(enum.StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+    critical = "critical"
+
+
+class _ServeCommand(TyperCommand):
+    """``gateway serve``: its own options before ``--``, the engine's after it.
+
+    An unknown option or a stray argument before ``--`` is an error (a typo such as
+    ``--max-lora 4`` would otherwise reach vLLM silently); everything after ``--`` becomes the
+    engine's arguments (``ctx.args``), checked by the settings for loragate-owned flags.
+    """
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # a click Context
+        if "--" in args:
+            split = args.index("--")
+            before, after = args[:split], args[split + 1 :]
+        else:
+            before, after = args, []
+        super().parse_args(ctx, before)
+        ctx.args = after
+        return after
+
+
+@app.command(cls=_ServeCommand)
 def serve(
     ctx: typer.Context,
     model: Annotated[
@@ -62,7 +116,10 @@ def serve(
         ),
     ] = None,
     model_name: Annotated[
-        str | None, typer.Option(help="The id clients use for the base model.")
+        str | None,
+        typer.Option(
+            "--model-name", "--served-model-name", help="The id clients use for the base model."
+        ),
     ] = None,
     run_id: Annotated[str | None, typer.Option(help="Serve a Datature Vi training run.")] = None,
     secret_key: Annotated[str | None, typer.Option(envvar="DATATURE_VI_SECRET_KEY")] = None,
@@ -74,7 +131,10 @@ def serve(
     ] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on [default: 8000].")] = None,
     lora: Annotated[
-        list[str] | None, typer.Option(help="NAME=SOURCE, served from boot on.")
+        list[str] | None,
+        typer.Option(
+            "--lora", "--lora-modules", help="NAME=SOURCE, served from boot on (repeatable)."
+        ),
     ] = None,
     max_loras: Annotated[
         int | None, typer.Option(help="Adapters in one batch [default: 2].")
@@ -95,7 +155,12 @@ def serve(
     ] = None,
     admin_key: Annotated[str | None, typer.Option(help="Key for the admin routes.")] = None,
     allowed_media_dir: Annotated[
-        Path | None, typer.Option(help="Requests may read local images from this dir only.")
+        Path | None,
+        typer.Option(
+            "--allowed-media-dir",
+            "--allowed-local-media-path",
+            help="Requests may read local images from this dir only.",
+        ),
     ] = None,
     upstream_url: Annotated[
         str | None,
@@ -132,7 +197,9 @@ def serve(
     cors_origin: Annotated[
         list[str] | None,
         typer.Option(
-            help="Allow browser requests from this origin (repeatable; CORS is off by default)."
+            "--cors-origin",
+            "--allowed-origins",
+            help="Allow browser requests from this origin (repeatable; CORS is off by default).",
         ),
     ] = None,
     allowed_hosts: Annotated[
@@ -158,6 +225,10 @@ def serve(
         ),
     ] = None,
     config: Annotated[Path | None, typer.Option(help="Settings file (TOML or YAML).")] = None,
+    log_level: Annotated[
+        LogLevel | None,
+        typer.Option("--log-level", case_sensitive=False, help="Log level [default: info]."),
+    ] = None,
     log_json: Annotated[bool | None, typer.Option("--log-json", help="Log as JSON lines.")] = None,
     access_log: Annotated[
         bool | None,
@@ -166,7 +237,8 @@ def serve(
         ),
     ] = None,
 ) -> None:
-    """Start the engine and the gateway. Arguments after `--` go to the engine untouched."""
+    """Start the engine and the gateway. Arguments after `--` go to the engine untouched
+    (except the flags loragate sets itself, which are refused with the option to use)."""
     from loragate.settings import load_settings
 
     explicit: dict[str, Any] = {
@@ -199,10 +271,14 @@ def serve(
         "allowed_media_dir": allowed_media_dir,
         "upstream_url": upstream_url,
         "engine_args": list(ctx.args) or None,
+        "log_level": log_level.value if log_level else None,
         "log_json": log_json,
         "access_log": access_log,
     }
+    from loragate.engine_flags import check_engine_args
+
     try:
+        check_engine_args(ctx.args)
         settings = load_settings(config, **explicit)
     except (ValueError, OSError) as exc:
         _fail(str(exc))
@@ -243,7 +319,7 @@ def serve(
         return
     import uvicorn
 
-    from loragate.gateway.runtime import server_options
+    from loragate.gateway.server_options import server_options
 
     # What is alive now (modules, the app) lives as long as the process: out of the
     # collector's sight, a collection walks only what requests allocate (a gen-1 pass takes

@@ -22,7 +22,14 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from loragate.demo.layout import default_cache_dir
+from loragate.engine_flags import check_engine_args
+from loragate.model_names import (
+    DEMO_MODEL_NAME,
+    SMOLLM_DEMO_MODEL_NAME,
+    gguf_served_name,
+    is_gguf_source,
+)
+from loragate.paths import default_cache_dir
 
 _file_values: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "loragate_file_values", default=None
@@ -193,6 +200,12 @@ class Settings(BaseSettings):
     def _accept_single_string(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_args_leave_loragates_flags_alone(cls, value: list[str]) -> list[str]:
+        check_engine_args(value)
+        return value
+
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _split_host_names(cls, value: Any) -> Any:
@@ -230,11 +243,7 @@ class Settings(BaseSettings):
         if self.run_id is not None:
             return f"{self.run_id}-base"  # the run's adapter is served under the run id
         if self.model is None:
-            from loragate.demo.layout import DEMO_MODEL_NAME, SMOLLM_DEMO_MODEL_NAME
-
             return SMOLLM_DEMO_MODEL_NAME if self.demo == "smollm2" else DEMO_MODEL_NAME
-        from loragate.adapters.gguf_model import gguf_served_name, is_gguf_source
-
         if is_gguf_source(self.model):
             return gguf_served_name(self.model)
         return self.model

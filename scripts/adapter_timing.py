@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loragate.adapters.pipeline import AdapterPipeline
 from loragate.adapters.store import AdapterStore
 from loragate.demo.layout import DEMO_ADAPTERS, demo_adapter_dir, demo_base_dir, ensure_demo
-from loragate.harness import GatewayProcess
 from tests import adapter_fixtures as fx
+from tools.harness import GatewayProcess
 
 
 def timed(fn, *args):  # type: ignore[no-untyped-def]

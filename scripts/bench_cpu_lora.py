@@ -1,7 +1,7 @@
 """What LoRA costs on vLLM's CPU build, with loragate's CPU LoRA ops off and on, in one run.
 
 For each setting (``LORAGATE_CPU_LORA_OPS=0``, then ``1``) it starts ``gateway serve`` on a real
-model with one adapter, its engine wrapped by ``loragate.bench.engine_tap`` so the same
+model with one adapter, its engine wrapped by ``tools.bench.engine_tap`` so the same
 engine can be asked directly, and sends interleaved rounds (random order within each round) of:
 
 - ``engine base``: the engine, base model asked plainly (what `vllm serve` users get);
@@ -32,8 +32,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loragate.bench.run import engine_ids, engine_model_for
-from loragate.bench.targets import GatewayServe
+from tools.bench.run import engine_ids, engine_model_for
+from tools.bench.targets import GatewayServe
 
 PROMPT = (
     "Write one sentence about the history of the city of Paris and its river, the bridges "

@@ -17,6 +17,7 @@ import argparse
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -25,7 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from loragate.harness import GatewayProcess
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/ is not installed
+
+from tools.harness import GatewayProcess
 
 
 def client_loop(url: str, stop: threading.Event, log: list[tuple[float, float, int, str]]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -20,8 +21,10 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/ is not installed
+
 from loragate.demo.layout import DEMO_ADAPTERS, demo_adapter_dir, ensure_demo
-from loragate.harness import GatewayProcess
+from tools.harness import GatewayProcess
 
 PHRASES = {a.name: a.phrase.strip() for a in DEMO_ADAPTERS}
 

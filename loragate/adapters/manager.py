@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from loragate.adapters.downloads import redact_urls
+from loragate.adapters.errors import AdapterError
 from loragate.adapters.follow import AdapterFollower
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
@@ -48,16 +49,6 @@ class PreparedVersion:
 
 
 Preparer = Callable[[str, str | None], Awaitable[PreparedVersion]]
-
-
-class AdapterError(Exception):
-    """An adapter operation failed; ``status`` is the HTTP status a client should see."""
-
-    def __init__(self, message: str, status: int = 400, code: str = "adapter_error") -> None:
-        # Shown to clients, in /health and in logs: never a source's credentials.
-        super().__init__(redact_urls(message))
-        self.status = status
-        self.code = code
 
 
 def engine_id(name: str, digest: str) -> str:

@@ -7,11 +7,16 @@ were trained on.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("loragate.adapters")
 
 
 @dataclass
@@ -33,11 +38,34 @@ class Manifest:
         self.entries: dict[str, ManifestEntry] = {}
 
     def load(self) -> Manifest:
-        if self.path.is_file():
-            raw = json.loads(self.path.read_text())
-            self.entries = {
-                name: ManifestEntry(**record) for name, record in raw.get("adapters", {}).items()
-            }
+        """Read the manifest; a damaged one is set aside (kept beside it) and starts empty,
+        a damaged entry is skipped, each with a log line: boot never fails on it."""
+        if not self.path.is_file():
+            return self
+        try:
+            raw = json.loads(self.path.read_bytes())
+            records = raw.get("adapters", {}) if isinstance(raw, dict) else None
+            if not isinstance(records, dict):
+                raise ValueError("it has no 'adapters' object")
+        except (ValueError, OSError) as exc:
+            aside = self.path.with_name(f"{self.path.name}.damaged-{int(time.time())}")
+            with contextlib.suppress(OSError):
+                os.replace(self.path, aside)
+            log.error(
+                "the adapter manifest %s is damaged (%s): set aside as %s; starting with no "
+                "runtime adapters (add them again, or repair the file and restart)",
+                self.path,
+                exc,
+                aside.name,
+            )
+            self.entries = {}
+            return self
+        self.entries = {}
+        for name, record in records.items():
+            try:
+                self.entries[name] = ManifestEntry(**record)
+            except TypeError as exc:
+                log.error("adapter manifest %s: skipping entry %r: %s", self.path, name, exc)
         return self
 
     def save(self) -> None:

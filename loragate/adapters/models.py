@@ -4,17 +4,11 @@ GGUF file dequantized once into the cache (``loragate.adapters.gguf_model``)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from loragate.adapters.model_cache import MODELS_DIRNAME, BaseModelError, offline
 from loragate.adapters.sources import hf_progress_class, hf_token
-
-MODELS_DIRNAME = "models"
-
-
-class BaseModelError(ValueError):
-    """The base model cannot be found or read; the message says what to do."""
 
 
 def _looks_like_path(model: str) -> bool:
@@ -42,7 +36,7 @@ def resolve_base_model(
     local = Path(model).expanduser()
     if local.is_dir():
         return local.resolve()
-    from loragate.adapters.gguf_model import is_gguf_source, resolve_gguf_model
+    from loragate.adapters.gguf_model import is_gguf_source, resolve_gguf_model  # heavy: lazily
 
     if is_gguf_source(model):
         return resolve_gguf_model(
@@ -82,11 +76,6 @@ def resolve_base_model(
             f"cannot download base model {model} from Hugging Face: {exc}"
         ) from exc
     return Path(path)
-
-
-def offline() -> bool:
-    """Whether ``HF_HUB_OFFLINE`` forbids the network."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def read_base_config(model_dir: Path) -> dict[str, Any]:

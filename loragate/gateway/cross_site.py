@@ -8,7 +8,10 @@ requests are even same-origin; they still name the attacker's host in ``Host``.
 
 So a request that carries an ``Origin`` (browsers send one on every cross-origin request and
 on every POST) must come from a listed CORS origin or from the gateway's own pages (``/docs``),
-and admin requests must be addressed to one of the gateway's host names. JSON bodies must be
+and admin requests must be addressed to one of the gateway's host names. So must inference
+and model-list requests to a gateway without inference keys: after a rebinding they are
+same-origin, and the page could read the model list and use the model. An address written
+as digits (``192.168.1.5:8000``) is always fine there: a rebinding needs a name. JSON bodies must be
 declared ``application/json`` (``request_body``), which no page can send cross-origin without
 a preflight. The health routes check none of this: a kubelet probes them by pod IP.
 """
@@ -41,6 +44,14 @@ def host_name(host: str) -> str:
     elif host.count(":") == 1:
         host = host.split(":", 1)[0]
     return host.rstrip(".")
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 class CrossSitePolicy:
@@ -91,6 +102,23 @@ class CrossSitePolicy:
                 "--allowed-hosts NAME.",
                 code="host_not_allowed",
             )
+
+    def check_keyless_host(self, headers: Mapping[str, str]) -> None:
+        """403 for an inference request to a gateway without inference keys, addressed to a
+        host name that is not this gateway's (DNS rebinding); addresses always pass."""
+        host = headers.get("host")
+        if host is None:
+            return
+        name = host_name(host)
+        if self.allows_host(name) or _is_address(name):
+            return
+        raise OpenAIError(
+            403,
+            f"This gateway has no API key, so it answers requests addressed to its own host "
+            f"names or an IP address only, not to {name[:100]!r}: if clients reach it by that "
+            "name, pass --allowed-hosts NAME (or give it an --api-key).",
+            code="host_not_allowed",
+        )
 
     def _is_own_origin(self, origin: str, host: str | None) -> bool:
         """Whether a page of this gateway sent the request (``/docs``), by a name it owns.

@@ -77,6 +77,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404 and exc.detail == "Not Found":
+            # OpenAI's own wording for a path it does not serve, and where to look instead.
+            return OpenAIError(
+                404,
+                f"Invalid URL ({request.method} {request.url.path[:200]}): this gateway serves "
+                "the OpenAI API under /v1 and its admin API under /admin (GET /docs lists "
+                "every route).",
+                code="unknown_url",
+            ).response()
         return OpenAIError(
             exc.status_code, str(exc.detail), headers=dict(exc.headers or {})
         ).response()

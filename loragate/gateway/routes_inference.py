@@ -49,9 +49,15 @@ def admit(gateway: Gateway, request: HasHeaders) -> str:
     observation = current_observation.get()
     if observation is not None:
         observation.request_id = request_id
-    gateway.cross_site.check_origin(request.headers)
-    gateway.keys.check_inference(request)
+    _check_source(gateway, request)
     return request_id
+
+
+def _check_source(gateway: Gateway, request: HasHeaders) -> None:
+    gateway.cross_site.check_origin(request.headers)
+    if gateway.keys.inference_open:
+        gateway.cross_site.check_keyless_host(request.headers)
+    gateway.keys.check_inference(request)
 
 
 def _target_model(gateway: Gateway, payload: dict[str, Any]) -> str:
@@ -74,8 +80,7 @@ def _target_model(gateway: Gateway, payload: dict[str, Any]) -> str:
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
-    gateway.cross_site.check_origin(request.headers)
-    gateway.keys.check_inference(request)
+    _check_source(gateway, request)
     ids = gateway.backend.model_ids()
     created = int(gateway.started_at)
     data = [

@@ -507,7 +507,8 @@ class EngineSupervisor:
         except (EngineSocketError, OSError) as exc:
             raise _BootFailed(f"cannot prepare the engine's socket: {exc}", permanent=True) from exc
         api_key = secrets.token_urlsafe(24)
-        spec = self._build_spec(socket_path, api_key)
+        # Off the loop: building the spec verifies every boot adapter's SHA-256 (boot_modules).
+        spec = await asyncio.to_thread(self._build_spec, socket_path, api_key)
         self._served_name = spec.served_name
         argv = engine_argv(spec)
         env = engine_env(spec)

@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from loragate.adapters.convert import needs_conversion
-from loragate.harness import GATEWAY
 from tests import adapter_fixtures as fx
 from tests.conftest import phrase_of
 from tests.gateway_process import ADMIN_KEY, GatewayProcess
+from tools.harness import GATEWAY
 
 pytestmark = pytest.mark.engine
 

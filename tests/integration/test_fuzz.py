@@ -207,3 +207,58 @@ def _engine_served(gateway: GatewayProcess) -> int:
 
 def _excerpt(case: Any) -> str:
     return repr({"path": case.path_parameters, "query": case.query, "body": case.body})[:400]
+
+
+KEYLESS_EXAMPLES = int(os.environ.get("LORAGATE_FUZZ_KEYLESS_EXAMPLES", "15"))
+
+
+def test_admin_operations_without_the_admin_key_are_refused_whatever_the_input(
+    gateway: GatewayProcess,
+) -> None:
+    """Every admin operation (restart included: it cannot get that far), generated valid and
+    invalid, with no key and with a wrong one: a 401 or 403 with OpenAI's error shape, and
+    nothing changes."""
+    spec = httpx.get(f"{gateway.url}/openapi.json", timeout=30).json()
+    schema = schemathesis.openapi.from_dict(spec)
+    admin_ops = [
+        op
+        for op in (result.ok() for result in schema.get_all_operations())
+        if op.label.split()[1].startswith("/admin") or "lora_adapter" in op.label
+    ]
+    assert len(admin_ops) >= 6, [op.label for op in admin_ops]
+    before = (gateway.engine_info(), gateway.admin("GET", "/admin/adapters").json()["data"])
+    wrong: list[str] = []
+    sent: Counter[str] = Counter()
+
+    for operation in admin_ops:
+        for headers in ({}, {"Authorization": "Bearer not-the-admin-key"}):
+            _keyless_fuzzer(operation, headers, gateway.url, sent, wrong)()
+
+    assert not wrong, wrong[:10]
+    assert set(sent) == {op.label for op in admin_ops}
+    engine_after = gateway.engine_info()
+    assert (engine_after["pid"], engine_after["restarts"]) == (
+        before[0]["pid"],
+        before[0]["restarts"],
+    )
+    assert gateway.admin("GET", "/admin/adapters").json()["data"] == before[1]
+
+
+def _keyless_fuzzer(
+    operation: Any, headers: dict[str, str], url: str, sent: Counter[str], wrong: list[str]
+) -> Any:
+    @settings(
+        max_examples=KEYLESS_EXAMPLES,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode.POSITIVE))
+    def refused(case: Any) -> None:
+        sent[operation.label] += 1
+        response = case.call(base_url=url, headers=headers, timeout=60)
+        if response.status_code not in (401, 403) or not _is_openai_error(response):
+            wrong.append(f"{operation.label}: {response.status_code} {_excerpt(case)}")
+
+    return refused

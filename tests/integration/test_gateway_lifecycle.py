@@ -8,6 +8,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -57,11 +58,6 @@ def wait_in_flight_at_the_engine(process: GatewayProcess, timeout: float = 60) -
     raise TimeoutError(f"no request in flight at the engine; last /metrics:\n{text[-2000:]}")
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("lifecycle-cache")
-
-
 @pytest.fixture()
 def notify(tmp_path: Path) -> Iterator[NotifySocket]:
     sock = NotifySocket(tmp_path / "notify.sock")
@@ -69,38 +65,62 @@ def notify(tmp_path: Path) -> Iterator[NotifySocket]:
     sock.sock.close()
 
 
-def test_gateway_killed_with_sigkill_leaves_no_engine_process(
-    demo_dir: Path, cache_dir: Path, notify: NotifySocket
-) -> None:
+@dataclass
+class KilledGateway:
+    """What a gateway left behind after SIGKILL: its cache dir (with a runtime adapter)."""
+
+    cache_dir: Path
+    notify_messages: list[str]
+    engine_tree: list[int]
+    survivors: list[int]
+
+
+@pytest.fixture(scope="module")
+def killed_gateway(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> KilledGateway:
+    """A gateway that started (telling systemd), took a runtime adapter and was SIGKILLed.
+
+    A fixture, not a test, so that the next gateway's test does not depend on test order.
+    """
+    cache_dir = tmp_path_factory.mktemp("lifecycle-cache")
+    notify = NotifySocket(tmp_path_factory.mktemp("notify") / "notify.sock")
     process = GatewayProcess(cache_dir=cache_dir, env={"NOTIFY_SOCKET": str(notify.path)}).start()
     try:
         process.wait_ready()
         notify.wait_for("READY=1")
-        statuses = [m for m in notify.messages if m.startswith("STATUS=")]
-        assert statuses[0].startswith("STATUS=engine starting")
-        ready_at = notify.messages.index("READY=1")
-        assert any(m.startswith("STATUS=engine ready") for m in notify.messages[:ready_at])
-
         # A runtime adapter, to be served again by the next gateway on this cache dir.
         put = process.admin(
             "PUT", "/admin/adapters/second-owl", json={"source": str(demo_dir / "adapters" / "owl")}
         )
         assert put.status_code == 200, put.text
-
         tree = process.engine_tree_pids()
-        assert len(tree) >= 4, tree  # launcher, API server, EngineCore, Worker
         process.signal(signal.SIGKILL)
         assert process.proc is not None
         process.proc.wait(10)
-        assert wait_gone(tree, timeout=30) == []
+        survivors = wait_gone(tree, timeout=30)
     finally:
         process.stop()
+        notify.sock.close()
+    return KilledGateway(cache_dir, list(notify.messages), tree, survivors)
+
+
+def test_gateway_killed_with_sigkill_leaves_no_engine_process(
+    killed_gateway: KilledGateway,
+) -> None:
+    messages = killed_gateway.notify_messages
+    statuses = [m for m in messages if m.startswith("STATUS=")]
+    assert statuses[0].startswith("STATUS=engine starting")
+    ready_at = messages.index("READY=1")
+    assert any(m.startswith("STATUS=engine ready") for m in messages[:ready_at])
+    tree = killed_gateway.engine_tree
+    assert len(tree) >= 4, tree  # launcher, API server, EngineCore, Worker
+    assert killed_gateway.survivors == []
 
 
 def test_new_gateway_on_the_same_cache_dir_starts_cleanly_and_serves_runtime_adapters(
-    demo_dir: Path, cache_dir: Path, notify: NotifySocket
+    killed_gateway: KilledGateway, notify: NotifySocket
 ) -> None:
-    process = GatewayProcess(cache_dir=cache_dir, env={"NOTIFY_SOCKET": str(notify.path)}).start()
+    env = {"NOTIFY_SOCKET": str(notify.path)}
+    process = GatewayProcess(cache_dir=killed_gateway.cache_dir, env=env).start()
     try:
         process.wait_ready()
         answer = httpx.post(

@@ -34,6 +34,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway_process import ADMIN_KEY, GatewayProcess
+from tools.bench.hostile_inputs import Canary, corpus, state_of
 
 pytestmark = pytest.mark.engine
 
@@ -549,7 +550,7 @@ def keyed_gateway(
     key_file.write_text("# inference keys, one a line\n" + "\n".join(FILE_KEYS) + "\n")
     key_file.chmod(0o600)
     config = workdir / "gateway.yaml"
-    engine = [sys.executable, "-m", "loragate.bench.fake_engine"]
+    engine = [sys.executable, "-m", "tools.bench.fake_engine"]
     config.write_text(json.dumps({"engine_command": engine}))  # JSON is YAML
     args = [f"--api-key={key}" for key in FLAG_KEYS]
     process = GatewayProcess(
@@ -665,3 +666,22 @@ def test_keys_appear_in_no_log_and_file_keys_in_no_command_line(
 def keyed_gateway_children(gateway: GatewayProcess) -> list[psutil.Process]:
     assert gateway.proc is not None
     return list(psutil.Process(gateway.proc.pid).children(recursive=True))
+
+
+# ----- the whole corpus at once ---------------------------------------------------------------
+
+
+def test_every_hostile_input_gets_a_clear_4xx_and_nothing_is_read_fetched_or_changed(
+    gateway: GatewayProcess, engine_untouched: None
+) -> None:
+    """tools.bench.hostile_inputs: SSRF spellings, fetchable part types, files outside the
+    media dir, cross-site and rebinding requests, unauthenticated and oversized bodies, the
+    engine's own routes, escaping names, an archive bomb, credentials in a source."""
+    with Canary() as canary, httpx.Client(base_url=gateway.url, timeout=120) as http:
+        before = state_of(http, ADMIN_KEY)
+        cases = corpus(canary.port)
+        problems = {case.name: case.judge(case.send(http, ADMIN_KEY)) for case in cases}
+        assert {name: why for name, why in problems.items() if why} == {}
+        assert canary.escaped() == {}, "a hostile request made the gateway or engine fetch"
+        assert state_of(http, ADMIN_KEY) == before
+    assert len(cases) >= 40

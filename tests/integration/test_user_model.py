@@ -82,7 +82,7 @@ def test_broken_model_fails_in_one_attempt_with_the_engine_root_cause(
 def _status(process: GatewayProcess) -> dict[str, object]:
     import subprocess
 
-    from loragate.harness import GATEWAY
+    from tools.harness import GATEWAY
 
     done = subprocess.run(
         [str(GATEWAY), "status", "--url", process.url, "--admin-key", ADMIN_KEY],

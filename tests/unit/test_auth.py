@@ -142,7 +142,9 @@ async def test_without_inference_keys_the_inference_routes_are_open(
     tmp_path: Path, backend: RecordingBackend
 ) -> None:
     app = create_app(settings_for(tmp_path), backend=backend)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://g") as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app), base_url="http://127.0.0.1"
+    ) as client:
         assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
 
 
@@ -242,7 +244,9 @@ async def test_no_key_ever_reaches_the_logs(
     with caplog.at_level(logging.DEBUG):
         async with (
             app.router.lifespan_context(app),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://g") as client,
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app), base_url="http://127.0.0.1"
+            ) as client,
         ):
             for key in [*secrets, presented_wrong]:
                 await client.post("/v1/chat/completions", json=CHAT, headers=bearer(key))

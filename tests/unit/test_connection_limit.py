@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from loragate import cli
 from loragate.gateway.app import create_app
-from loragate.gateway.runtime import server_options
+from loragate.gateway.server_options import server_options
 from loragate.settings import Settings
 from tests.backend_double import RecordingBackend, free_port, serving, settings_for
 

@@ -397,3 +397,54 @@ async def test_open_admin_answers_only_clients_on_this_machine(
                 refused = await proxied.post("/admin/engine/restart", headers={header: "x"})
                 assert_error(refused, 403, "invalid_admin_key")
     assert backend.supervisor.restart_requests == 0
+
+
+# ----- DNS rebinding on a gateway without inference keys ---------------------------------------
+
+
+@pytest.mark.parametrize(("method", "path", "body"), INFERENCE_ROUTES)
+async def test_a_rebound_page_cannot_read_or_use_a_keyless_gateway(
+    keyless: httpx.AsyncClient, backend: ManagedBackendDouble, method: str, path: str, body: Any
+) -> None:
+    # After the rebinding the page is same-origin: a GET carries no Origin at all.
+    response = await keyless.request(method, path, json=body, headers={"Host": "evil.example"})
+    assert_error(response, 403, "host_not_allowed")
+    assert "--allowed-hosts" in response.json()["error"]["message"]
+    assert backend.forwarded == []
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8000", "localhost", "192.168.1.5:8000", "[fe80::1]"])
+async def test_a_keyless_gateway_answers_its_own_names_and_any_address(
+    keyless: httpx.AsyncClient, host: str
+) -> None:
+    # An address written as digits cannot be rebound: LAN clients by IP keep working.
+    response = await keyless.get("/v1/models", headers={"Host": host})
+    assert response.status_code == 200, response.text
+
+
+async def test_with_an_api_key_any_host_name_may_ask(
+    tmp_path: Path, backend: ManagedBackendDouble
+) -> None:
+    # A rebound page does not have the key; a client behind any name that has it may ask.
+    app = keyless_app(tmp_path, backend, api_key=["sk-inference"])
+    async with app.router.lifespan_context(app), client_for(app) as client:
+        headers = {"Host": "gw.internal.example", "Authorization": "Bearer sk-inference"}
+        assert (await client.get("/v1/models", headers=headers)).status_code == 200
+        no_key = await client.get("/v1/models", headers={"Host": "evil.example"})
+        assert_error(no_key, 401, "invalid_api_key")
+
+
+def test_the_hot_protocol_refuses_a_rebound_host_on_a_keyless_gateway(
+    tmp_path: Path, backend: ManagedBackendDouble
+) -> None:
+    app = keyless_app(tmp_path, backend)
+    with serving(app, as_served=True) as url:
+        port = int(url.rsplit(":", 1)[1])
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        headers = {"Content-Type": "application/json", "Host": "evil.example"}
+        connection.request("POST", "/v1/chat/completions", body=orjson.dumps(CHAT), headers=headers)
+        answer = connection.getresponse()
+        assert answer.status == 403
+        assert orjson.loads(answer.read())["error"]["code"] == "host_not_allowed"
+        connection.close()
+    assert backend.forwarded == []

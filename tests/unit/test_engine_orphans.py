@@ -1,6 +1,6 @@
 """No engine process outlives its launcher or its gateway, under any kill order.
 
-Real processes and signals on the stand-in engine (``loragate.bench.fake_engine``), started
+Real processes and signals on the stand-in engine (``tools.bench.fake_engine``), started
 with ``--child`` (a child that ignores SIGTERM, as a stuck vLLM EngineCore would) and, where
 the test says so, ``--ignore-sigterm``. The gateway-level orders run ``gateway serve`` with
 the stand-in as its engine command.
@@ -23,15 +23,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from loragate.bench.targets import write_fake_model
-from loragate.harness import GatewayProcess, wait_gone
 from loragate.supervisor.engine import EngineSupervisor, SupervisorTimings
 from loragate.supervisor.engine_command import EngineSpec
 from loragate.supervisor.pidfile import CacheDirInUse, EnginePidFile, GatewayLock
 from loragate.supervisor.process_tree import ENGINE_TAG
 from loragate.supervisor.states import EngineState
+from tools.bench.targets import write_fake_model
+from tools.harness import GatewayProcess, wait_gone
 
-FAKE_ENGINE = [sys.executable, "-m", "loragate.bench.fake_engine", "--child"]
+FAKE_ENGINE = [sys.executable, "-m", "tools.bench.fake_engine", "--child"]
 STUBBORN_ENGINE = [*FAKE_ENGINE, "--ignore-sigterm"]
 GRACE = 1.0
 FAST = SupervisorTimings(

@@ -24,7 +24,6 @@ import pytest
 import pytest_asyncio
 
 from loragate import plain_http
-from loragate.bench.fake_engine import FakeEngine, start_unix_server
 from loragate.gateway.proxy import ProxyClient, UpstreamUnreachable
 from loragate.supervisor.engine import EngineSupervisor, SupervisorTimings
 from loragate.supervisor.engine_client import EngineClient
@@ -35,8 +34,9 @@ from loragate.supervisor.engine_socket import (
     EngineSocketError,
 )
 from loragate.supervisor.states import EngineState
+from tools.bench.fake_engine import FakeEngine, start_unix_server
 
-FAKE_ENGINE = [sys.executable, "-m", "loragate.bench.fake_engine"]
+FAKE_ENGINE = [sys.executable, "-m", "tools.bench.fake_engine"]
 FAST = SupervisorTimings(
     startup_timeout=30, probe_interval=0.2, probe_timeout=0.5, restart_backoff=0.05,
     restart_backoff_max=0.2, stop_timeout=5,

@@ -1,6 +1,6 @@
 """The supervisor's state machine with real processes and signals, on a stand-in engine.
 
-The stand-in (``loragate.bench.fake_engine``) takes vLLM's command line and answers /health at
+The stand-in (``tools.bench.fake_engine``) takes vLLM's command line and answers /health at
 once, so these tests exercise spawn, probes, restarts, backoff and the crash-loop breaker in
 seconds. The real engine's version of these lives in tests/integration.
 """
@@ -13,6 +13,7 @@ import dataclasses
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,7 +26,7 @@ from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable, Supe
 from loragate.supervisor.engine_command import EngineSpec
 from loragate.supervisor.states import TRANSITIONS, EngineState
 
-FAKE_ENGINE = [sys.executable, "-m", "loragate.bench.fake_engine"]
+FAKE_ENGINE = [sys.executable, "-m", "tools.bench.fake_engine"]
 # Fails the way vLLM does on a configuration error: the root cause, then the API server's
 # wrapper that points at it.
 MISCONFIGURED_ENGINE = [
@@ -241,3 +242,24 @@ async def test_an_engine_that_died_under_a_slow_launcher_is_an_exit_not_a_hang(
             os.kill(launcher, signal.SIGCONT)
     await wait_for(lambda: running.serving and running.launcher_pid not in (None, launcher))
     assert reasons and reasons[0] == "engine killed by SIGKILL", reasons
+
+
+async def test_the_engine_spec_is_built_off_the_event_loop(tmp_path: Path) -> None:
+    """Building the spec verifies every boot adapter's digest (``boot_modules``): never on the loop."""
+    threads: list[str] = []
+    loop_thread = threading.current_thread().name
+
+    def build(socket_path: Path, api_key: str) -> EngineSpec:
+        threads.append(threading.current_thread().name)
+        return EngineSpec(
+            model="fake", served_name="fake", socket_path=socket_path, api_key=api_key,
+            max_loras=1, max_lora_rank=8, command=FAKE_ENGINE,
+        )  # fmt: skip
+
+    sup = EngineSupervisor(build, cache_dir=tmp_path, timings=FAST)
+    await sup.start()
+    try:
+        await sup.wait_until_serving(30)
+    finally:
+        await sup.stop()
+    assert threads and loop_thread not in threads, (loop_thread, threads)

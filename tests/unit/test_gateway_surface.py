@@ -30,7 +30,7 @@ PREFLIGHT = {
 
 async def client_for(tmp_path: Path, **values: Any) -> httpx.AsyncClient:
     app = create_app(settings_for(tmp_path, **values), backend=RecordingBackend())
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://g")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://127.0.0.1")
 
 
 @pytest.fixture
@@ -118,7 +118,9 @@ async def test_requests_the_schema_accepts_are_the_ones_the_gateway_accepts(
 ) -> None:
     backend = RecordingBackend()
     app = create_app(settings_for(tmp_path), backend=backend)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://g") as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app), base_url="http://127.0.0.1"
+    ) as client:
         spec = (await client.get("/openapi.json")).json()
         registry = {"components": spec["components"]}
 

@@ -25,12 +25,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import Response, StreamingResponse
 
-from loragate.bench.fake_engine import FakeEngine, start_server
 from loragate.gateway import hot_protocol, proxy
 from loragate.gateway.app import create_app
-from loragate.gateway.runtime import server_options
+from loragate.gateway.server_options import server_options
 from loragate.settings import Settings
 from tests.backend_double import ProxiedBackend, RecordingBackend, serving
+from tools.bench.fake_engine import FakeEngine, start_server
 
 KEY = "inference-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -61,7 +61,9 @@ def backend() -> RecordingBackend:
 @pytest.fixture
 async def client(tmp_path: Path, backend: RecordingBackend) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(settings_for(tmp_path, **LIMITS), backend=backend)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://g") as c:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app), base_url="http://127.0.0.1"
+    ) as c:
         yield c
 
 

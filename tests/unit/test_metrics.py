@@ -13,7 +13,6 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from loragate.bench.fake_engine import FakeEngine, start_server
 from loragate.gateway.app import create_app
 from loragate.gateway.metrics import (
     UNKNOWN_MODEL,
@@ -25,6 +24,7 @@ from loragate.gateway.metrics import (
 from loragate.settings import Settings
 from loragate.supervisor.states import EngineState
 from tests.backend_double import ProxiedBackend
+from tools.bench.fake_engine import FakeEngine, start_server
 
 ADMIN = "admin-key"
 JSON = {"Content-Type": "application/json"}
@@ -54,7 +54,7 @@ async def engine() -> AsyncIterator[str]:
 
 def client_for(backend: ProxiedBackend, tmp_path: Path, **settings: Any) -> httpx.AsyncClient:
     app = create_app(Settings(cache_dir=tmp_path, admin_key=ADMIN, **settings), backend=backend)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
 
 
 def chat(model: str, **extra: Any) -> dict[str, Any]:
@@ -249,7 +249,7 @@ async def test_access_log_lines_carry_request_id_model_status_and_duration(
     observed = RequestObserver(app, GatewayMetrics(), access_log_enabled=True)
     caplog.set_level(logging.INFO, logger="loragate.access")
     async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=observed), base_url="http://gw"
+        transport=httpx.ASGITransport(app=observed), base_url="http://127.0.0.1"
     ) as client:
         response = await client.post(
             "/v1/chat/completions", json=chat("base"), headers={"X-Request-ID": "trace-42"}

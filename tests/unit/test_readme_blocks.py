@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from loragate.harness import free_port
 from loragate.settings import load_settings
 from tests.readme_blocks import KINDS, ROOT, blocks_of, readme_blocks
+from tools.harness import free_port
 
 
 def test_every_readme_block_says_how_it_is_tested() -> None:

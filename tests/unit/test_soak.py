@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loragate.bench.soak import (
+from tools.bench.soak import (
     FD_NOISE,
     RSS_NOISE_BYTES,
     SWAPPED,

@@ -5,7 +5,7 @@ answer: no routing, checks, auth, metrics or model names. Whatever it adds on to
 engine is what uvicorn, asyncio and the upstream client cost on that machine, the floor for
 any gateway built from them; the gap between it and loragate is loragate's own logic.
 
-    LORAGATE_BENCH_UPSTREAM_KEY=KEY python -m loragate.bench.minimal_proxy --port P --upstream URL \
+    LORAGATE_BENCH_UPSTREAM_KEY=KEY python -m tools.bench.minimal_proxy --port P --upstream URL \
         [--upstream-uds PATH]
 """
 
@@ -64,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     import uvicorn
 
-    from loragate.gateway.runtime import server_options
+    from loragate.gateway.server_options import server_options
 
     app = build(
         args.upstream.rstrip("/"),

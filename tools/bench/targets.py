@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from loragate.bench.load import Target
+from tools.bench.load import Target
 
 FAKE_MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -172,7 +172,7 @@ class GatewayServe(Process):
         workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.port = free_port()
         self.record = workdir / "engine.json"
-        tap = [sys.executable, "-m", "loragate.bench.engine_tap", str(self.record), "--"]
+        tap = [sys.executable, "-m", "tools.bench.engine_tap", str(self.record), "--"]
         config_yaml = workdir / "gateway.yaml"  # JSON is YAML
         config_yaml.write_text(json.dumps({"engine_command": tap + engine_command}))
         argv = [
@@ -343,7 +343,7 @@ class MinimalProxy(Process):
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         argv = [
-            sys.executable, "-m", "loragate.bench.minimal_proxy",
+            sys.executable, "-m", "tools.bench.minimal_proxy",
             "--port", str(self.port),
             "--upstream", engine.url,
             *(["--upstream-uds", engine.uds] if engine.uds else []),

@@ -3,41 +3,40 @@
 ``python scripts/soak.py`` starts its own ``gateway serve`` on the demo (or takes ``--url`` of
 a running one) and, for ``--duration`` seconds, keeps ``--concurrency`` clients busy with chat
 requests to the base model, the three demo adapters and one adapter (``soak-swap``) that is
-swapped between two versions every ``--swap-every`` seconds. Halfway (``--kill-at``) it
-SIGKILLs the engine (the pid from ``GET /admin/engine``) and times its way back.
+swapped between two versions every ``--swap-every`` seconds, and every ``--hostile-every``
+seconds sends the next request of the hostile-input corpus (``hostile_inputs``), each of
+which must get its clear 4xx and fetch nothing. Halfway (``--kill-at``) it SIGKILLs the
+engine (the pid from ``GET /admin/engine``) and times its way back.
 
 Every request is classified. A failure is *expected* only when the request was in flight when
 the engine died and got a clear error (an OpenAI-shaped error answer or stream event);
 anything else that failed is *lost*. An answer from the wrong adapter is a misroute. The
 report gives requests sent, succeeded and failed (with the reasons), the swaps, the kill and
-the recovery, and the gateway's resident memory and open descriptors at the start and end
-(sampled throughout); the verdict fails on any lost or misrouted request, or on growth of
-memory or descriptors beyond noise.
+the recovery, the hostile requests, the adapters at the start and end, and the gateway's
+resident memory and open descriptors at the start and end (sampled throughout); the verdict
+fails on any lost or misrouted request, any hostile request not refused as it must be or
+that made anything fetch, any adapter lost or added, or growth of memory or descriptors
+beyond noise.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import os
-import secrets
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
-from loragate.demo.layout import DEMO_ADAPTERS, DEMO_MODEL_NAME, demo_adapter_dir, ensure_demo
+from loragate.demo.layout import DEMO_ADAPTERS, DEMO_MODEL_NAME
+from tools.bench.hostile_inputs import Canary, Hostile, corpus
 
 SWAPPED = "soak-swap"
 PHRASES = {adapter.name: adapter.phrase.strip() for adapter in DEMO_ADAPTERS}
@@ -89,6 +88,10 @@ class SoakResult:
     start: Sample | None = None
     end: Sample | None = None
     kill: Kill | None = None
+    hostile: list[tuple[float, str, str]] = field(default_factory=list)  # at, case, problem
+    escaped: dict[str, int] = field(default_factory=dict)  # what the canary was made to serve
+    adapters_before: list[str] = field(default_factory=list)
+    adapters_after: list[str] = field(default_factory=list)  # those ready at the end
 
     # ----- the verdict --------------------------------------------------------------------
 
@@ -143,6 +146,15 @@ class SoakResult:
             problems.append(f"{len(self.misrouted())} requests misrouted")
         if self.kill is not None and self.kill.ready_again_at is None:
             problems.append("the engine did not come back after the kill")
+        bad = [case for _, case, why in self.hostile if why]
+        if bad:
+            problems.append(f"{len(bad)} hostile requests not refused as they must be")
+        if self.escaped:
+            problems.append(f"hostile requests made the gateway fetch {sorted(self.escaped)}")
+        lost = sorted(set(self.adapters_before) - set(self.adapters_after))
+        added = sorted(set(self.adapters_after) - set(self.adapters_before))
+        if self.adapters_before and (lost or added):
+            problems.append(f"adapters lost {lost}, added {added}")
         growth = self.rss_growth()
         if growth is not None and growth > RSS_NOISE_BYTES:
             problems.append(f"gateway RSS grew by {growth / 2**20:.1f} MiB")
@@ -201,6 +213,17 @@ class SoakResult:
         for at, good, detail in self.swaps:
             if not good:
                 lines.append(f"    at {at:.1f} s: {detail}")
+        bad_hostile = [(at, case, why) for at, case, why in self.hostile if why]
+        lines.append(
+            f"hostile requests: {len(self.hostile)} sent ({len({c for _, c, _ in self.hostile})} "
+            f"kinds), {len(self.hostile) - len(bad_hostile)} refused clearly; canary hits "
+            f"outside admin sources: {sum(self.escaped.values())}"
+        )
+        for at, case, why in bad_hostile[:10]:
+            lines.append(f"    at {at:.1f} s: {case}: {why}")
+        lines.append(
+            f"adapters ready: start {len(self.adapters_before)}, end {len(self.adapters_after)}"
+        )
         if self.kill is not None:
             kill = self.kill
             back = (
@@ -293,6 +316,7 @@ class SoakPlan:
     request_timeout_s: float = 300.0
     gateway_pid: int | None = None
     swap_sources: tuple[str, str] = ("", "")
+    hostile_every_s: float | None = 2.0  # None: no hostile requests
 
 
 class Soak:
@@ -310,10 +334,11 @@ class Soak:
         plan = self.plan
         limits = httpx.Limits(max_connections=plan.concurrency + 4)
         timeout = httpx.Timeout(plan.request_timeout_s, connect=10)
-        async with httpx.AsyncClient(base_url=plan.url, limits=limits, timeout=timeout) as http:
-            await self._swap(
-                http, plan.swap_sources[0]
-            )  # the swapped adapter exists from the start
+        http = httpx.AsyncClient(base_url=plan.url, limits=limits, timeout=timeout)
+        async with http, _maybe_canary(plan.hostile_every_s is not None) as canary:
+            # The swapped adapter exists from the start.
+            await self._swap(http, plan.swap_sources[0])
+            self.result.adapters_before = await self._ready_adapters(http)
             await self._warm_up(http)
             self.began = time.monotonic()
             self.result.start = self._sample()
@@ -324,13 +349,42 @@ class Soak:
             ]
             if plan.kill_at is not None:
                 tasks.append(asyncio.create_task(self._killer(http)))
+            if canary is not None:
+                tasks.append(asyncio.create_task(self._hostile(http, corpus(canary.port))))
             await asyncio.sleep(plan.duration_s)
             self._stop.set()
             await asyncio.gather(*tasks)
             await asyncio.sleep(3)  # let the last connections settle before the end sample
             self.result.end = self._sample()
+            self.result.adapters_after = await self._ready_adapters(http)
+            if canary is not None:
+                self.result.escaped = canary.escaped()
             await http.delete("/admin/adapters/" + SWAPPED, headers=self.admin_headers)
         return self.result
+
+    async def _ready_adapters(self, http: httpx.AsyncClient) -> list[str]:
+        """The adapters the admin API lists as ready (once the engine is serving again)."""
+        deadline = self.now() + 600
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                listed = (await http.get("/admin/adapters", headers=self.admin_headers)).json()
+                ready = sorted(a["name"] for a in listed["data"] if a["state"] == "ready")
+                if len(ready) == len(listed["data"]) or self.now() > deadline:
+                    return ready
+            await asyncio.sleep(1)
+
+    async def _hostile(self, http: httpx.AsyncClient, cases: list[Hostile]) -> None:
+        assert self.plan.hostile_every_s is not None
+        turn = 0
+        while not await self._stopped_within(self.plan.hostile_every_s):
+            case = cases[turn % len(cases)]
+            turn += 1
+            at = self.now()
+            try:
+                why = case.judge(await case.send_async(http, self.plan.admin_key))
+            except httpx.HTTPError as exc:
+                why = f"connection: {type(exc).__name__}"
+            self.result.hostile.append((at, case.name, why))
 
     def _sample(self) -> Sample | None:
         pid = self.plan.gateway_pid
@@ -466,6 +520,15 @@ class Soak:
         return self._stop.is_set()
 
 
+@contextlib.asynccontextmanager
+async def _maybe_canary(wanted: bool) -> AsyncIterator[Canary | None]:
+    if not wanted:
+        yield None
+        return
+    with Canary() as canary:
+        yield canary
+
+
 def _misroute(model: str, text: str) -> str:
     """Empty if ``text`` is what ``model`` answers, else why not (as the integration tests judge).
 
@@ -495,105 +558,3 @@ def _is_error(content: bytes) -> bool:
         return isinstance(json.loads(content)["error"]["message"], str)
     except (ValueError, KeyError, TypeError):
         return False
-
-
-# ----- the command line -----------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _start_gateway(
-    cache_dir: Path, admin_key: str, log_path: Path
-) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    gateway = Path(sys.executable).parent / "gateway"
-    argv = [str(gateway), "serve", "--port", str(port), "--cache-dir", str(cache_dir)]
-    env = {**os.environ, "LORAGATE_ADMIN_KEY": admin_key, "PYTHONUNBUFFERED": "1"}
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return process, f"http://127.0.0.1:{port}"
-
-
-def _wait_ready(url: str, process: subprocess.Popen[bytes] | None, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {process.returncode} while starting")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        time.sleep(1)
-    raise TimeoutError(f"{url}/health did not answer 200 within {timeout:g} s")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="soak",
-        description="Mixed streaming/plain load with adapter swaps and one engine kill; "
-        "reports lost requests and the gateway's memory and descriptors.",
-    )
-    parser.add_argument("--url", help="a running gateway (default: start one on the demo)")
-    parser.add_argument("--admin-key", default=os.environ.get("LORAGATE_ADMIN_KEY"))
-    parser.add_argument("--duration", type=float, default=150.0, help="seconds of load [150]")
-    parser.add_argument("--concurrency", type=int, default=4, help="concurrent clients [4]")
-    parser.add_argument("--swap-every", type=float, default=10.0, help="seconds between swaps [10]")
-    parser.add_argument("--kill-at", type=float, default=0.5, help="fraction of the run [0.5]")
-    parser.add_argument("--no-kill", action="store_true", help="do not kill the engine")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--cache-dir", type=Path, help="for the gateway it starts [a temp dir]")
-    parser.add_argument("--json", type=Path, help="also write the full result here")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    demo = ensure_demo()
-    sources = (str(demo_adapter_dir(demo, "pong")), str(demo_adapter_dir(demo, "fox")))
-    process: subprocess.Popen[bytes] | None = None
-    workdir = Path(tempfile.mkdtemp(prefix="loragate-soak-"))
-    try:
-        if args.url:
-            url, admin_key = args.url.rstrip("/"), args.admin_key
-            pid = pid_listening_on(httpx.URL(url).port or 80)
-        else:
-            admin_key = args.admin_key or secrets.token_urlsafe(16)
-            cache_dir = args.cache_dir or workdir / "cache"
-            process, url = _start_gateway(cache_dir, admin_key, workdir / "gateway.log")
-            pid = process.pid
-            print(
-                f"started gateway pid {pid} at {url} (log: {workdir / 'gateway.log'})", flush=True
-            )
-        _wait_ready(url, process, timeout=900)
-        plan = SoakPlan(
-            url=url,
-            admin_key=admin_key,
-            duration_s=args.duration,
-            concurrency=args.concurrency,
-            swap_every_s=args.swap_every,
-            kill_at=None if args.no_kill else args.kill_at,
-            max_tokens=args.max_tokens,
-            gateway_pid=pid,
-            swap_sources=sources,
-        )
-        print(f"soaking {url} for {args.duration:g} s ...", flush=True)
-        result = asyncio.run(Soak(plan).run())
-    finally:
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
-        # The gateway's log stays for a look; the adapter store it made does not.
-        shutil.rmtree(workdir / "cache", ignore_errors=True)
-    print(result.report())
-    if args.json:
-        args.json.write_text(json.dumps(result.to_json(), indent=2))
-    return 0 if not result.problems() else 1

@@ -1,7 +1,7 @@
 """Runs the engine command it is given, after writing down where it will listen and its key.
 
 The bench gives ``gateway serve`` this as its engine command (``engine_command`` in a config
-file): ``python -m loragate.bench.engine_tap RECORD_FILE -- python -m vllm.entrypoints...``.
+file): ``python -m tools.bench.engine_tap RECORD_FILE -- python -m vllm.entrypoints...``.
 The supervisor appends the engine's flags (``--uds``, ...) and puts the per-boot key in
 ``VLLM_API_KEY``; the tap writes the socket path (or ``--port``, for engines started by
 hand) and the key to RECORD_FILE (created 0600, in the bench's private
@@ -30,7 +30,7 @@ def flag(argv: list[str], name: str) -> str | None:
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         print(
-            "usage: python -m loragate.bench.engine_tap RECORD_FILE -- ENGINE_ARGV...",
+            "usage: python -m tools.bench.engine_tap RECORD_FILE -- ENGINE_ARGV...",
             file=sys.stderr,
         )
         return 2

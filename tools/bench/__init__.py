@@ -1,7 +1,7 @@
 """Side-by-side benchmarks: the same workload sent to the engine directly, through loragate,
 and through nginx (the floor a reverse proxy can reach), interleaved request by request.
 
-``python scripts/bench.py --help`` (or ``python -m loragate.bench``) runs it. Modules:
+``python scripts/bench.py --help`` (or ``python -m tools.bench``) runs it. Modules:
 
 - ``run``: the command line and the order of the measurements;
 - ``load``: a lean keep-alive HTTP/1.1 load generator (closed loop, N connections);

@@ -36,10 +36,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from loragate.bench import load
-from loragate.bench.load import Block, Samples, Target, Workload
-from loragate.bench.stats import Report, Summary, ms, quantile, signed_ms
-from loragate.bench.targets import (
+from tools.bench import load
+from tools.bench.load import Block, Samples, Target, Workload
+from tools.bench.stats import Report, Summary, ms, quantile, signed_ms
+from tools.bench.targets import (
     EngineRecord,
     GatewayServe,
     MinimalProxy,
@@ -571,7 +571,7 @@ async def proxy_part(report: Report, options: Options, workdir: Path) -> None:
     client_cpus = set(cpus[:-1]) if len(cpus) > 1 else None
     model_dir = write_fake_model(workdir / "fake-model")
     gateway = GatewayServe(
-        workdir / "proxy-gateway", [sys.executable, "-m", "loragate.bench.fake_engine"],
+        workdir / "proxy-gateway", [sys.executable, "-m", "tools.bench.fake_engine"],
         model=str(model_dir), cpus=proxy_cpus, engine_cpus=client_cpus,
     )  # fmt: skip
     setup = Setup(gateway, [])
@@ -605,7 +605,7 @@ async def proxy_part(report: Report, options: Options, workdir: Path) -> None:
         )
         report.say("")
         report.say(
-            f"Pure proxy cost: instant fake upstream (loragate.bench.fake_engine behind `gateway serve`); {where}"
+            f"Pure proxy cost: instant fake upstream (tools.bench.fake_engine behind `gateway serve`); {where}"
         )
         with pinned(client_cpus):
             await measure_proxy(report, options, setup, rss_idle)

@@ -7,7 +7,7 @@ engine, and speaks just enough of vLLM's API for that: ``/health``, ``/v1/models
 raw asyncio protocol with httptools' parser, so it costs far less per request than whatever
 sits in front of it.
 
-    python -m loragate.bench.fake_engine --port 8100 [--api-key KEY] [--served-model-name NAME]
+    python -m tools.bench.fake_engine --port 8100 [--api-key KEY] [--served-model-name NAME]
 
 For the supervisor's tests of stubborn engines: ``--ignore-sigterm`` makes it ignore SIGTERM,
 and ``--child`` starts a child process that ignores SIGTERM and renames itself (as vLLM's

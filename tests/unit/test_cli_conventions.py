@@ -1,0 +1,133 @@
+"""The command line follows the conventions of the tools users know: -h, --version,
+--log-level, unknown options refused, the engine's flags after `--` (minus loragate's own),
+and vLLM's names for the options that mean the same."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from loragate import __version__
+from loragate.cli import app
+
+runner = CliRunner()
+COMMANDS = [
+    [],
+    ["serve"],
+    ["pull"],
+    ["status"],
+    ["systemd-unit"],
+    ["adapters"],
+    ["adapters", "add"],
+    ["adapters", "list"],
+    ["adapters", "remove"],
+    ["adapters", "rollback"],
+    ["adapters", "convert"],
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "gateway")
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_every_command_has_short_and_long_help(command: list[str], flag: str) -> None:
+    result = runner.invoke(app, [*command, flag])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag: str) -> None:
+    result = runner.invoke(app, [flag])
+    assert result.exit_code == 0
+    assert result.output.strip() == f"loragate {__version__}"
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """What `gateway serve` would start with: load_settings' arguments (nothing starts)."""
+    seen: dict[str, Any] = {}
+
+    def load_settings(config: Any, **explicit: Any) -> Any:
+        seen.update(explicit)
+        raise ValueError("stopped by the test")
+
+    monkeypatch.setattr("loragate.settings.load_settings", load_settings)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--max-lora", "4"], "No such option: --max-lora"),
+        (["--modle", "x"], "No such option: --modle"),
+        (["-x"], "No such option: -x"),
+        (["stray-argument"], "unexpected extra argument"),
+        (["--gpu-memory-utilization", "0.5"], "No such option"),  # an engine flag before `--`
+    ],
+)
+def test_unknown_options_and_stray_arguments_before_the_separator_are_errors(
+    captured: dict[str, Any], args: list[str], says: str
+) -> None:
+    result = runner.invoke(app, ["serve", *args])
+    assert result.exit_code == 2, result.output
+    assert says in " ".join(result.output.split())
+    assert captured == {}  # refused before anything was read
+
+
+@pytest.mark.parametrize(
+    ("flag", "use"),
+    [
+        ("--port", "use --port"),
+        ("--host", "use --host"),
+        ("--served-model-name", "use --model-name"),
+        ("--api-key", "use --api-key"),
+        ("--lora-modules", "use --lora NAME=SOURCE"),
+        ("--max-loras", "use --max-loras"),
+        ("--allowed-local-media-path", "use --allowed-media-dir"),
+        ("--uds", "not needed"),
+    ],
+)
+def test_loragate_owned_engine_flags_after_the_separator_are_refused_with_the_flag_to_use(
+    captured: dict[str, Any], flag: str, use: str
+) -> None:
+    for form in ([flag, "value"], [f"{flag}=value"]):
+        result = runner.invoke(app, ["serve", "--", "--dtype", "float32", *form])
+        assert result.exit_code == 2, result.output
+        assert f"{flag}: {use}" in result.output
+        assert captured == {}
+
+
+def test_other_engine_flags_after_the_separator_reach_the_engine(captured: dict[str, Any]) -> None:
+    engine = ["--dtype", "float32", "--tensor-parallel-size", "2", "--max-model-len", "4096"]
+    result = runner.invoke(app, ["serve", "--port", "9000", "--", *engine])
+    assert "stopped by the test" in result.output
+    assert captured["engine_args"] == engine
+    assert captured["port"] == 9000
+
+
+def test_vllms_names_are_aliases_of_loragates(captured: dict[str, Any]) -> None:
+    result = runner.invoke(
+        app,
+        [
+            "serve",
+            "--served-model-name", "my-base",
+            "--lora-modules", "fox=/adapters/fox",
+            "--allowed-local-media-path", "/srv/media",
+            "--allowed-origins", "https://app.example",
+            "--log-level", "DEBUG",
+        ],
+    )  # fmt: skip
+    assert "stopped by the test" in result.output
+    assert captured["model_name"] == "my-base"
+    assert captured["lora"] == ["fox=/adapters/fox"]
+    assert str(captured["allowed_media_dir"]) == "/srv/media"
+    assert captured["cors_origins"] == ["https://app.example"]
+    assert captured["log_level"] == "debug"
+
+
+def test_a_config_file_cannot_set_loragate_owned_engine_flags_either() -> None:
+    from loragate.settings import Settings
+
+    with pytest.raises(ValueError, match="--served-model-name: use --model-name"):
+        Settings(engine_args=["--served-model-name", "x"])
