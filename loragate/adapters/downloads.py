@@ -23,6 +23,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from loragate.adapters.progress import report_bytes
+
 DEFAULT_TIMEOUT = 30.0  # seconds for one read (and to connect)
 DEFAULT_DEADLINE = 3600.0  # seconds for a whole download: 2 GiB at ~600 kB/s
 _CHUNK = 1 << 16
@@ -222,8 +224,6 @@ def _stream_to(
     deadline: tuple[float, float],
 ) -> None:
     from tqdm.auto import tqdm
-
-    from loragate.adapters.progress import report_bytes  # here: progress imports this module
 
     ends, seconds = deadline
     size = offset

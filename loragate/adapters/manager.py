@@ -184,7 +184,7 @@ class AdapterManager:
     ) -> dict[str, Any]:
         """Add or update ``name`` from ``source``; returns once the new version serves."""
         self._check_name(name)
-        with self.progress.track(name, redact_urls(source)):
+        with self.progress.track(name, redact_urls(source), redact=redact_urls):
             async with self._locks[name]:
                 try:
                     prepared = await self._prepare(source, revision)

@@ -11,13 +11,11 @@ the status page and a CLI can show the same progress.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
-
-from loragate.adapters.downloads import redact_urls
 
 STAGES = ("download", "conversion", "validation", "store", "load")
 FINISHED_STAGES = ("done", "failed")
@@ -102,8 +100,11 @@ class ProgressBoard:
         return sorted(self._records.values(), key=lambda record: record.started_at)
 
     @contextmanager
-    def track(self, name: str, source: str) -> Iterator[AddProgress]:
-        """Make a fresh record current for the block; it ends ``done``, or ``failed`` with why."""
+    def track(
+        self, name: str, source: str, redact: Callable[[str], str] = str
+    ) -> Iterator[AddProgress]:
+        """Make a fresh record current for the block; it ends ``done``, or ``failed`` with why
+        (passed through ``redact``: the record is shown to admins, a source's secrets never)."""
         record = AddProgress(name=name, source=source)
         self._records[name] = record
         self._forget_old()
@@ -111,7 +112,7 @@ class ProgressBoard:
         try:
             yield record
         except BaseException as exc:
-            record.error = redact_urls(str(exc)) or type(exc).__name__
+            record.error = redact(str(exc)) or type(exc).__name__
             record.enter("failed")
             raise
         else:
