@@ -12,13 +12,21 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loragate.gateway import routes_admin, routes_health, routes_inference, routes_metrics
+from loragate.gateway import (
+    routes_admin,
+    routes_health,
+    routes_inference,
+    routes_metrics,
+    routes_status,
+    routes_ui,
+)
 from loragate.gateway.admin_token import publish_admin_token, withdraw_admin_token
 from loragate.gateway.auth import KeyConfigError, check_key_settings
 from loragate.gateway.backend import GatewayBackend
 from loragate.gateway.cross_site import is_loopback
 from loragate.gateway.errors import OpenAIError, install_error_handlers
 from loragate.gateway.inference_backend import InferenceBackend, as_gateway_backend
+from loragate.gateway.log_tail import recent_gateway_log
 from loragate.gateway.metrics import RequestObserver, route_path
 from loragate.gateway.openapi_schemas import install_openapi
 from loragate.gateway.runtime import Gateway
@@ -172,6 +180,11 @@ def create_app(
     app.include_router(routes_inference.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_metrics.router)
+    # The status page (/ui), and what it reads beyond the admin API.
+    app.include_router(routes_status.admin_router)
+    app.include_router(routes_status.router)
+    app.include_router(routes_ui.router)
+    recent_gateway_log()  # from now on, so the page's log tail starts with the boot
     install_openapi(app)
     app.add_middleware(routes_inference.InferenceFastPath)  # innermost: inside CORS and headers
     app.add_middleware(SecurityHeaders)
