@@ -66,5 +66,25 @@ if [ "$engine" = cpu ]; then
   "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 
+if [[ ",$extras," == *",test,"* ]]; then
+  # The status page's browser tests drive Debian's headless Chromium through Selenium.
+  if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then
+    :
+  elif command -v apt-get >/dev/null 2>&1; then
+    echo "==> installing chromium and chromium-driver (the status page's browser tests)"
+    as_root=(env)
+    [ "$(id -u)" = 0 ] || as_root=(sudo -n env)
+    apt=("${as_root[@]}" DEBIAN_FRONTEND=noninteractive apt-get -y -q)
+    # Not fatal: serving needs no browser, and the tests say how to install it when missing.
+    "${apt[@]}" install chromium chromium-driver \
+      || { "${apt[@]}" update && "${apt[@]}" install chromium chromium-driver; } \
+      || echo "==> could not install chromium: the browser tests will fail until you run" \
+              "'sudo apt-get install -y chromium chromium-driver'"
+  else
+    echo "==> no apt-get here: install Chromium and chromedriver for the browser tests" \
+         "(or set LORAGATE_CHROMIUM and LORAGATE_CHROMEDRIVER to their paths)"
+  fi
+fi
+
 echo "$stamp" > "$stamp_file"
 echo "==> ready: $venv/bin/gateway"

@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.responses import Response
 
+from loragate.adapters.progress import ProgressBoard
 from loragate.gateway.app import create_app
 from loragate.gateway.engine_backend import SupervisedEngineBackend
 from loragate.gateway.proxy import ProxyClient
@@ -62,6 +63,13 @@ class AdapterManagerDouble:
 
     def __init__(self) -> None:
         self.changes: list[tuple[str, ...]] = []
+        self.progress = ProgressBoard()
+
+    def describe(self, name: str) -> dict[str, Any]:
+        for adapter in self.list():
+            if adapter["name"] == name:
+                return adapter
+        raise KeyError(name)
 
     def list(self) -> list[dict[str, Any]]:
         return [{"name": "pong", "version": "0" * 64, "state": "serving", "source": "/pong"}]

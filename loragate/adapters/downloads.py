@@ -23,6 +23,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from loragate.adapters.progress import report_bytes
+
 DEFAULT_TIMEOUT = 30.0  # seconds for one read (and to connect)
 DEFAULT_DEADLINE = 3600.0  # seconds for a whole download: 2 GiB at ~600 kB/s
 _CHUNK = 1 << 16
@@ -249,6 +251,7 @@ def _stream_to(
                 )
             sink.write(block)
             bar.update(len(block))
+            report_bytes(size, total)
             if time.monotonic() > ends:
                 raise DownloadError(
                     f"downloading {redact(url)} did not finish within {seconds:g} s ({size} of "

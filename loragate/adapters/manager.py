@@ -27,6 +27,7 @@ from loragate.adapters.errors import AdapterError
 from loragate.adapters.follow import AdapterFollower
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
+from loragate.adapters.progress import ProgressBoard, report_stage
 from loragate.adapters.routing import RoutingTable
 from loragate.adapters.store import AdapterStore, StoredAdapter, TamperedAdapterError
 from loragate.adapters.store_watch import StoreWatch
@@ -87,6 +88,7 @@ class AdapterManager:
         self.failures: dict[str, str] = {}
         self.counters: defaultdict[str, int] = defaultdict(int)
         self.last_load_seconds: float | None = None
+        self.progress = ProgressBoard()  # how far each add has come (admin API, status page)
         self._zero_dir: Path | None = None
         self.base_engine_id = base_name
         if zero_adapter_root is not None:
@@ -182,13 +184,14 @@ class AdapterManager:
     ) -> dict[str, Any]:
         """Add or update ``name`` from ``source``; returns once the new version serves."""
         self._check_name(name)
-        async with self._locks[name]:
-            try:
-                prepared = await self._prepare(source, revision)
-            except AdapterError:
-                self.counters["load_failures"] += 1
-                raise
-            await self._activate(name, prepared, follow=follow)
+        with self.progress.track(name, redact_urls(source), redact=redact_urls):
+            async with self._locks[name]:
+                try:
+                    prepared = await self._prepare(source, revision)
+                except AdapterError:
+                    self.counters["load_failures"] += 1
+                    raise
+                await self._activate(name, prepared, follow=follow)
         self.follower.sync()
         return self.describe(name)
 
@@ -305,6 +308,7 @@ class AdapterManager:
         except EngineUnavailable as exc:
             raise AdapterError(str(exc), status=503, code="engine_unavailable") from None
         started = time.perf_counter()
+        report_stage("load")
         if eid not in self._loaded:
             try:
                 await self._engine.load_adapter(eid, stored.path)
@@ -312,6 +316,15 @@ class AdapterManager:
                 self.counters["load_failures"] += 1
                 raise AdapterError(
                     exc.detail, status=400, code="adapter_refused_by_engine"
+                ) from None
+            except EngineUnavailable as exc:
+                # The engine died under the load: nothing changed here; the version is in the
+                # store, so asking again once the engine is back is cheap.
+                self.counters["load_failures"] += 1
+                raise AdapterError(
+                    f"{exc}; the adapter was not swapped: try again once the engine is ready",
+                    status=503,
+                    code="engine_unavailable",
                 ) from None
             self._loaded.add(eid)
             self.counters["loads"] += 1

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from loragate.adapters.manager import AdapterError, PreparedVersion
+from loragate.adapters.progress import report_stage
 from loragate.adapters.store import AdapterStore, StoreError, tree_digest
 
 
@@ -34,6 +35,7 @@ class AdapterPipeline:
 
         work = self.store.work_dir()
         try:
+            report_stage("download")
             try:
                 fetched = fetch_source(
                     source,
@@ -64,7 +66,9 @@ class AdapterPipeline:
                             fingerprint=fetched.fingerprint,
                         )
                     peft_dir = work / "converted"
+                    report_stage("conversion")
                     convert_in_subprocess(fetched.path, peft_dir, self.base_dir)
+                report_stage("validation")
                 facts = validate_adapter(peft_dir, self.base_config, self.max_lora_rank)
             except AdapterRejected as exc:
                 raise AdapterError(
@@ -82,6 +86,7 @@ class AdapterPipeline:
                 "rank": facts.rank,
                 "target_modules": sorted(facts.target_modules),
             }
+            report_stage("store")
             try:
                 stored = self.store.put_dir(peft_dir, meta)
             except StoreError as exc:

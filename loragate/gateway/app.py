@@ -18,6 +18,8 @@ from loragate.gateway import (
     routes_inference,
     routes_metrics,
     routes_passthrough,
+    routes_status,
+    routes_ui,
 )
 from loragate.gateway.admin_token import publish_admin_token, withdraw_admin_token
 from loragate.gateway.auth import KeyConfigError, check_key_settings
@@ -25,6 +27,7 @@ from loragate.gateway.backend import GatewayBackend
 from loragate.gateway.cross_site import is_loopback
 from loragate.gateway.errors import OpenAIError, install_error_handlers
 from loragate.gateway.inference_backend import InferenceBackend, as_gateway_backend
+from loragate.gateway.log_tail import recent_gateway_log
 from loragate.gateway.metrics import RequestObserver, route_path
 from loragate.gateway.openapi_schemas import install_openapi
 from loragate.gateway.runtime import Gateway
@@ -179,6 +182,11 @@ def create_app(
     app.include_router(routes_passthrough.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_metrics.router)
+    # The status page (/ui), and what it reads beyond the admin API.
+    app.include_router(routes_status.admin_router)
+    app.include_router(routes_status.router)
+    app.include_router(routes_ui.router)
+    recent_gateway_log()  # from now on, so the page's log tail starts with the boot
     install_openapi(app)
     app.add_middleware(routes_inference.InferenceFastPath)  # innermost: inside CORS and headers
     app.add_middleware(SecurityHeaders)

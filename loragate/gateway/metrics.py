@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from loragate import plain_http
 from loragate.gateway.engine_metrics import gateway_process_metrics, relabel_engine_metrics
 from loragate.gateway.engine_routes import engine_route
+from loragate.gateway.traffic import RecentTraffic
 
 if TYPE_CHECKING:
     from loragate.gateway.runtime import Gateway
@@ -141,6 +142,7 @@ class GatewayMetrics:
         self.ttft: dict[str, Histogram] = {}
         self.overhead = Histogram(OVERHEAD_BUCKETS)
         self.in_flight = 0
+        self.recent = RecentTraffic()  # the last minutes, second by second (the status page)
 
     def record(self, route: str, observation: RequestObservation, ended: float) -> None:
         model = observation.model or UNKNOWN_MODEL
@@ -151,11 +153,14 @@ class GatewayMetrics:
         if histogram is None:
             histogram = self.duration[(route, model)] = Histogram(LATENCY_BUCKETS)
         histogram.observe(elapsed)
+        first_token: float | None = None
         if observation.stream and observation.first_byte and observation.status == 200:
             ttft = self.ttft.get(model)
             if ttft is None:
                 ttft = self.ttft[model] = Histogram(LATENCY_BUCKETS)
-            ttft.observe(observation.first_byte - observation.started)
+            first_token = observation.first_byte - observation.started
+            ttft.observe(first_token)
+        self.recent.add(observation.status, elapsed, first_token)
         if observation.upstream_seconds > 0.0:
             self.overhead.observe(max(0.0, elapsed - observation.upstream_seconds))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -14,6 +15,7 @@ from loragate.gateway.errors import OpenAIError
 from loragate.gateway.openapi_schemas import LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAPTER, json_body
 from loragate.gateway.request_body import read_json_object
 from loragate.gateway.runtime import Gateway
+from loragate.supervisor.process_tree import tree_rss_bytes
 
 
 def _admit_admin(request: Request) -> None:
@@ -59,7 +61,27 @@ def _fail(exc: AdapterError) -> OpenAIError:
 @router.get("/admin/adapters")
 async def list_adapters(request: Request) -> dict[str, Any]:
     manager = _manager(request)
-    return {"object": "list", "base_model": manager.base_name, "data": manager.list()}
+    return {
+        "object": "list",
+        "base_model": manager.base_name,
+        "data": manager.list(),
+        # Adds running now or finished lately (a failed add of a new name shows only here).
+        "progress": [record.as_dict() for record in manager.progress.all()],
+    }
+
+
+@router.get("/admin/adapters/{name}")
+async def get_adapter(name: str, request: Request) -> dict[str, Any]:
+    """One adapter, with the progress of its latest add (stage, bytes, percent) while it runs."""
+    manager = _manager(request)
+    record = manager.progress.get(name)
+    try:
+        body = manager.describe(name)
+    except KeyError:
+        if record is None:
+            raise OpenAIError(404, f"no adapter named {name!r}", code="adapter_not_found") from None
+        body = {"name": name, "state": record.stage if record.finished else "adding"}
+    return {**body, "progress": record.as_dict() if record else None}
 
 
 async def _adapter_request(request: Request) -> AdapterRequest:
@@ -141,8 +163,11 @@ async def unload_lora_adapter(request: Request) -> Response:
 @router.get("/admin/engine")
 async def engine_info(request: Request) -> dict[str, Any]:
     backend = _engine_backend(request)
+    info = backend.supervisor.info()
+    launcher = info.get("launcher_pid")
     return {
-        **backend.supervisor.info(),
+        **info,
+        "rss_bytes": await asyncio.to_thread(tree_rss_bytes, launcher) if launcher else None,
         "memory": backend.memory_plan,
         "cpu_lora_ops": backend.cpu_lora_ops,
         "base_routing": "zero-adapter" if backend.zero_adapter else "direct",

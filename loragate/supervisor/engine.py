@@ -220,6 +220,8 @@ class EngineSupervisor:
         self.restarts = 0
         self.last_exit: ExitInfo | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        # (launcher pid, API server pid, its create time): see ``engine_pid``.
+        self._api_server: tuple[int, int, float] | None = None
         self._boot_mark: BootMark | None = None
         self._exit: asyncio.Future[int] | None = None
         self._spawned_at: float | None = None
@@ -250,13 +252,29 @@ class EngineSupervisor:
 
     @property
     def engine_pid(self) -> int | None:
-        """The vLLM API server's pid (the launcher's child), if it runs."""
+        """The vLLM API server's pid (the launcher's child), while that very process runs.
+
+        Remembered once found: when the API server dies, its own children (EngineCore,
+        workers) become the launcher's until it ends them, and must not pass for it.
+        """
         if self._proc is None or self._proc.poll() is not None:
             return None
-        with contextlib.suppress(psutil.Error):
-            children = psutil.Process(self._proc.pid).children()
-            if children:
-                return children[0].pid
+        server = self._api_server
+        if server is None or server[0] != self._proc.pid:
+            with contextlib.suppress(psutil.Error):
+                children = psutil.Process(self._proc.pid).children()
+                if children:
+                    child = children[0]
+                    server = (self._proc.pid, child.pid, child.create_time())
+                    self._api_server = server
+            if server is None or server[0] != self._proc.pid:
+                return None
+        _, pid, created = server
+        try:
+            if psutil.Process(pid).create_time() == created:
+                return pid
+        except psutil.Error:
+            pass
         return None
 
     def _engine_alive(self) -> bool:

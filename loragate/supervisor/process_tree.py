@@ -131,3 +131,20 @@ def kill_boot(tag: str | None, group: int, started: float, timeout: float = 5.0)
             proc.kill()
     wait_gone(victims, timeout)
     return [proc.pid for proc in victims]
+
+
+def tree_rss_bytes(pid: int | None) -> int | None:
+    """Resident memory of ``pid`` and every process under it (the engine's API server, engine
+    core and workers), or None when it is gone. Shared pages count once per process."""
+    if pid is None:
+        return None
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            total += process.memory_info().rss
+    return total

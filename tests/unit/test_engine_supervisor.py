@@ -24,7 +24,7 @@ import pytest_asyncio
 
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable, SupervisorTimings
 from loragate.supervisor.engine_command import EngineSpec
-from loragate.supervisor.states import TRANSITIONS, EngineState
+from loragate.supervisor.states import RECOVERING, TRANSITIONS, EngineState
 
 FAKE_ENGINE = [sys.executable, "-m", "tools.bench.fake_engine"]
 # Fails the way vLLM does on a configuration error: the root cause, then the API server's
@@ -203,7 +203,8 @@ async def test_requests_wait_for_a_restart_and_a_full_queue_is_refused(
     pid = running.engine_pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
-    await wait_for(lambda: running.state != EngineState.READY, timeout=5)
+    # Restarting, not merely unhealthy (a busy box may fail a probe first; unhealthy serves).
+    await wait_for(lambda: running.state in RECOVERING, timeout=10)
     waiters = [asyncio.create_task(running.wait_until_serving(30)) for _ in range(2)]
     await asyncio.sleep(0.01)
     with pytest.raises(EngineUnavailable, match="already waiting"):

@@ -95,9 +95,12 @@ def _image_part(url: str) -> list[dict[str, Any]]:
     return [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]
 
 
-def corpus(canary_port: int, model: str = "loragate-demo", keyless: bool = True) -> list[Hostile]:
+def corpus(
+    canary_port: int, model: str = "loragate-demo", keyless: bool = True, media_dir: bool = True
+) -> list[Hostile]:
     """Every hostile request, aimed at a gateway whose canary listens on ``canary_port``;
-    ``keyless``: the gateway has no inference keys (so the rebinding cases apply)."""
+    ``keyless``: the gateway has no inference keys (so the rebinding cases apply);
+    ``media_dir``: it has an ``--allowed-media-dir`` (else local files are off altogether)."""
     port = canary_port
     cases: list[Hostile] = []
 
@@ -136,20 +139,13 @@ def corpus(canary_port: int, model: str = "loragate-demo", keyless: bool = True)
     for kind in ("video_url", "audio_url"):
         part = {"type": kind, kind: {"url": f"http://127.0.0.1:{port}/ssrf.bin"}}
         chat(f"{kind}-part", [part, {"type": "text", "text": "?"}], 400, "unsupported_content_part")
-    # Files outside the media directory.
-    chat("file-url-etc-passwd", _image_part("file:///etc/passwd"), 403, "media_path_forbidden")
+    # Files outside the media directory (or any file, where the gateway has none).
+    status, code = (403, "media_path_forbidden") if media_dir else (400, "local_media_disabled")
+    chat("file-url-etc-passwd", _image_part("file:///etc/passwd"), status, code)
     for source in ("/etc/passwd", "../../../../etc/passwd"):
         body = _json({"model": model, "source": source, "user_prompt": "what?"})
         cases.append(
-            Hostile(
-                f"vi-source-{source}",
-                "POST",
-                "/v1/chat/completions",
-                403,
-                "media_path_forbidden",
-                body,
-                JSON,
-            )
+            Hostile(f"vi-source-{source}", "POST", "/v1/chat/completions", status, code, body, JSON)
         )
     # 11. More image parts than a request may carry.
     tiny_png = (

@@ -317,6 +317,7 @@ class SoakPlan:
     gateway_pid: int | None = None
     swap_sources: tuple[str, str] = ("", "")
     hostile_every_s: float | None = 2.0  # None: no hostile requests
+    media_dir: bool = False  # whether the gateway has an --allowed-media-dir
 
 
 class Soak:
@@ -350,7 +351,8 @@ class Soak:
             if plan.kill_at is not None:
                 tasks.append(asyncio.create_task(self._killer(http)))
             if canary is not None:
-                tasks.append(asyncio.create_task(self._hostile(http, corpus(canary.port))))
+                cases = corpus(canary.port, media_dir=plan.media_dir)
+                tasks.append(asyncio.create_task(self._hostile(http, cases)))
             await asyncio.sleep(plan.duration_s)
             self._stop.set()
             await asyncio.gather(*tasks)
@@ -501,7 +503,8 @@ class Soak:
             await asyncio.sleep(0.5)
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 info = (await http.get("/admin/engine", headers=self.admin_headers)).json()
-                if info["state"] == "ready" and info["pid"] != pid:
+                # A new engine: ready, with a pid of its own (None is the dead one's moment).
+                if info["state"] == "ready" and info["pid"] not in (None, pid):
                     kill.ready_again_at = self.now()
                     kill.restarts_after = int(info["restarts"])
                     return

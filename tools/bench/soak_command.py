@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--hostile-every", type=float, default=2.0, help="seconds between hostile requests [2]"
     )
     parser.add_argument("--no-hostile", action="store_true", help="send no hostile requests")
+    parser.add_argument(
+        "--has-media-dir",
+        action="store_true",
+        help="the --url gateway has an --allowed-media-dir (local files are refused with a 403 "
+        "there, not a 400)",
+    )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--cache-dir", type=Path, help="for the gateway it starts [a temp dir]")
     parser.add_argument("--json", type=Path, help="also write the full result here")
@@ -114,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             gateway_pid=pid,
             swap_sources=sources,
             hostile_every_s=None if args.no_hostile else args.hostile_every,
+            media_dir=bool(args.url) and args.has_media_dir,
         )
         print(f"soaking {url} for {args.duration:g} s ...", flush=True)
         result = asyncio.run(Soak(plan).run())
