@@ -9,11 +9,19 @@ and descriptors flat) must pass.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+
+# Two engine boots (the start and the restart after the kill) and 90 s of load: about five
+# minutes on a quiet box, far more on a busy one (a boot took ten minutes beside other jobs).
+pytestmark = [pytest.mark.engine, pytest.mark.restarts, pytest.mark.timeout(2400)]
 
 
 def test_a_short_soak_with_hostile_requests_and_an_engine_kill_passes(tmp_path: Path) -> None:
@@ -21,14 +29,22 @@ def test_a_short_soak_with_hostile_requests_and_an_engine_kill_passes(tmp_path: 
     argv = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration", "90"]
     argv += ["--concurrency", "3", "--swap-every", "10", "--hostile-every", "1"]
     argv += ["--cache-dir", str(tmp_path / "cache"), "--json", str(result_file)]
-    run = subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=1500,
+    # Its own session, so that whatever happens here, the script and the gateway it started
+    # end with the test (a timeout that killed only the script once left its gateway running).
+    soak = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
-    report = run.stdout[-6000:] + run.stderr[-3000:]
-    assert run.returncode == 0, report
+    try:
+        stdout, stderr = soak.communicate(timeout=2300)
+    finally:
+        if soak.poll() is None:
+            os.killpg(soak.pid, signal.SIGTERM)
+            try:
+                soak.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(soak.pid, signal.SIGKILL)
+    report = stdout[-6000:] + stderr[-3000:]
+    assert soak.returncode == 0, report
     result = json.loads(result_file.read_text())
     assert result["verdict"] == {"pass": True, "problems": []}, report
     assert result["kill"] is not None and result["kill"]["ready_again_at"] is not None, report
