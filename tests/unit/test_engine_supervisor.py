@@ -51,12 +51,16 @@ FAST = SupervisorTimings(
 )
 
 
+def fake_spec(socket_path: Path, api_key: str, command: list[str]) -> EngineSpec:
+    return EngineSpec(
+        model="fake", served_name="fake", socket_path=socket_path, api_key=api_key,
+        max_loras=1, max_lora_rank=8, command=command,
+    )  # fmt: skip
+
+
 def supervisor(tmp_path: Path, command: list[str], **timings: float) -> EngineSupervisor:
     def build(socket_path: Path, api_key: str) -> EngineSpec:
-        return EngineSpec(
-            model="fake", served_name="fake", socket_path=socket_path, api_key=api_key,
-            max_loras=1, max_lora_rank=8, command=command,
-        )  # fmt: skip
+        return fake_spec(socket_path, api_key, command)
 
     settings = SupervisorTimings(**{**FAST.__dict__, **timings})
     return EngineSupervisor(build, cache_dir=tmp_path, timings=settings)
@@ -252,10 +256,7 @@ async def test_the_engine_spec_is_built_off_the_event_loop(tmp_path: Path) -> No
 
     def build(socket_path: Path, api_key: str) -> EngineSpec:
         threads.append(threading.current_thread().name)
-        return EngineSpec(
-            model="fake", served_name="fake", socket_path=socket_path, api_key=api_key,
-            max_loras=1, max_lora_rank=8, command=FAKE_ENGINE,
-        )  # fmt: skip
+        return fake_spec(socket_path, api_key, FAKE_ENGINE)
 
     sup = EngineSupervisor(build, cache_dir=tmp_path, timings=FAST)
     await sup.start()
