@@ -13,6 +13,15 @@ from typing import Any
 from loragate.gateway.hot_protocol import fits_this_uvicorn, hot_protocol
 from loragate.gateway.runtime import Gateway
 
+KEEP_ALIVE_SECONDS = 30.0
+"""How long the gateway keeps an idle client connection open (uvicorn's default is 5 s).
+
+Longer than the idle time after which common clients stop reusing a pooled connection
+(httpx and so the official ``openai`` SDK: 5 s; aiohttp: 15 s; Node's undici: 4 s). With
+uvicorn's 5 s, server and client expire the same connection at the same moment, and a
+request sent just as the server closes it fails with "Server disconnected without sending a
+response": CI saw exactly that from an ``openai`` client with ``max_retries=0``."""
+
 
 def server_options(app: Any = None) -> dict[str, Any]:
     """The uvicorn options ``gateway serve`` runs ``app`` with.
@@ -23,9 +32,9 @@ def server_options(app: Any = None) -> dict[str, Any]:
     uvicorn's, with the inference POSTs answered without ASGI; and its connections are bounded
     (``limit_concurrency``). uvicorn's X-Forwarded-For middleware is left out: the gateway
     uses the client's address only to keep ``open_admin`` to loopback clients, and a proxy's
-    header must not fake that.
+    header must not fake that. Idle connections stay open ``KEEP_ALIVE_SECONDS``.
     """
-    options: dict[str, Any] = {"proxy_headers": False}
+    options: dict[str, Any] = {"proxy_headers": False, "timeout_keep_alive": KEEP_ALIVE_SECONDS}
     gateway = getattr(getattr(app, "state", None), "gateway", None)
     if isinstance(gateway, Gateway):
         options["limit_concurrency"] = gateway.settings.limit_concurrency

@@ -63,6 +63,22 @@ def burst(url: str) -> tuple[int, int]:
     return borrowed, crossed
 
 
+def bursts_to_see(rate: float) -> int:
+    """Bursts in which something that shows in ``rate`` of them shows at least once with
+    probability ``POWER``: at least 10 and at most ``MAX_ON_BURSTS``. A rate of 1 (every burst
+    borrowed, as CI once measured) needs one burst; it still gets 10."""
+    if rate >= 1:
+        return 10
+    return min(MAX_ON_BURSTS, max(10, math.ceil(math.log(1 - POWER) / math.log(1 - rate))))
+
+
+def test_bursts_to_see_covers_every_measurable_rate() -> None:
+    assert bursts_to_see(1.0) == 10
+    assert bursts_to_see(0.5) == 10
+    assert bursts_to_see(0.1) == 44
+    assert bursts_to_see(1 / 44) == MAX_ON_BURSTS
+
+
 def test_cpu_lora_ops_plugin_ends_base_requests_borrowing_adapter_weights(
     gateway: GatewayProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -85,9 +101,7 @@ def test_cpu_lora_ops_plugin_ends_base_requests_borrowing_adapter_weights(
 
     info = gateway.engine_info()
     assert info["cpu_lora_ops"] and info["base_routing"] == "direct", info
-    on_bursts = min(MAX_ON_BURSTS, max(10, math.ceil(math.log(1 - POWER) / math.log(1 - off_rate))))
-    if off_rate == 1:
-        on_bursts = 10
+    on_bursts = bursts_to_see(off_rate)
     on = [burst(gateway.url) for _ in range(on_bursts)]
     print(
         f"\nplugin off: {off_rate:.0%} of {OFF_BURSTS} bursts borrowed; plugin on: {on_bursts} "
