@@ -136,6 +136,13 @@ def serve(
             "--lora", "--lora-modules", help="NAME=SOURCE, served from boot on (repeatable)."
         ),
     ] = None,
+    adapters_manifest: Annotated[
+        str | None,
+        typer.Option(
+            help="The fleet's adapter manifest (file, http(s) URL or hf://ORG/REPO[@REV]/PATH): "
+            "serve exactly its adapters, checked every follow interval.",
+        ),
+    ] = None,
     max_loras: Annotated[
         int | None, typer.Option(help="Adapters in one batch [default: 2].")
     ] = None,
@@ -257,6 +264,7 @@ def serve(
         "host": host,
         "port": port,
         "lora": lora or None,
+        "adapters_manifest": adapters_manifest,
         "max_loras": max_loras,
         "max_lora_rank": max_lora_rank,
         "max_cpu_loras": max_cpu_loras,

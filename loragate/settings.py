@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -62,6 +62,14 @@ class Settings(BaseSettings):
     )
     lora: list[str] = Field(
         default_factory=list, description="Adapters served from boot on, NAME=SOURCE."
+    )
+    adapters_manifest: str | None = Field(
+        default=None,
+        description=(
+            "The fleet's adapter manifest (a file, an http(s) URL or hf://ORG/REPO[@REV]/PATH; "
+            'JSON or YAML: {"adapters": {"NAME": {"source": ...}}}). This gateway serves exactly '
+            "its adapters, checked every follow_interval; the admin API cannot change them."
+        ),
     )
     vision_model: bool | None = Field(
         default=None,
@@ -222,6 +230,20 @@ class Settings(BaseSettings):
             return value
         names = (part.strip().lower() for item in values for part in str(item).split(","))
         return [name for name in names if name]
+
+    @model_validator(mode="after")
+    def _one_owner_of_the_adapters(self) -> Settings:
+        if self.adapters_manifest and self.lora:
+            raise ValueError(
+                "adapters_manifest and lora both name adapters: with a manifest, list every "
+                "adapter in it (lora: " + ", ".join(self.lora) + ")"
+            )
+        if self.adapters_manifest and self.upstream_url:
+            raise ValueError(
+                "adapters_manifest needs the engine loragate runs; with upstream_url the "
+                "adapters are the upstream server's"
+            )
+        return self
 
     @field_validator("upstream_url")
     @classmethod

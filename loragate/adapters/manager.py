@@ -55,6 +55,16 @@ def engine_id(name: str, digest: str) -> str:
     return f"{name}@{digest[:12]}"
 
 
+def _check_pin(prepared: PreparedVersion, digest: str | None) -> None:
+    if digest is not None and not prepared.stored.digest.startswith(digest):
+        raise AdapterError(
+            f"{redact_urls(prepared.source)} is version {prepared.stored.digest[:12]}, not the "
+            f"pinned {digest}",
+            status=409,
+            code="digest_mismatch",
+        )
+
+
 class AdapterManager:
     def __init__(
         self,
@@ -180,14 +190,24 @@ class AdapterManager:
         self.manifest.save()
 
     async def put(
-        self, name: str, source: str, revision: str | None = None, follow: bool = False
+        self,
+        name: str,
+        source: str,
+        revision: str | None = None,
+        follow: bool = False,
+        *,
+        digest: str | None = None,
     ) -> dict[str, Any]:
-        """Add or update ``name`` from ``source``; returns once the new version serves."""
+        """Add or update ``name`` from ``source``; returns once the new version serves.
+
+        ``digest``: a prefix of the sha256 the version must have (a pin), checked before swap.
+        """
         self._check_name(name)
         with self.progress.track(name, redact_urls(source), redact=redact_urls):
             async with self._locks[name]:
                 try:
                     prepared = await self._prepare(source, revision)
+                    _check_pin(prepared, digest)
                 except AdapterError:
                     self.counters["load_failures"] += 1
                     raise

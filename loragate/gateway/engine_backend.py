@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from loragate.adapters.fleet_reconciler import FleetReconciler
 from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.manifest import Manifest
 from loragate.adapters.pipeline import AdapterPipeline
@@ -93,6 +94,8 @@ class SupervisedEngineBackend:
         self.engine = EngineClient(self.supervisor)
         self.proxy = ProxyClient()
         self.manager: AdapterManager | None = None
+        # With --adapters-manifest: what converges this gateway's adapters on the fleet's.
+        self.fleet: FleetReconciler | None = None
         self.slots: AdapterSlots | None = None
         self.model_dir: Path | None = None
         self.zero_adapter = False
@@ -128,6 +131,8 @@ class SupervisedEngineBackend:
             self._bootstrap_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._bootstrap_task
+        if self.fleet is not None:
+            await self.fleet.aclose()
         if self.manager is not None:
             await self.manager.aclose()
         await self.supervisor.stop()
@@ -238,10 +243,18 @@ class SupervisedEngineBackend:
             ready_timeout=settings.queue_deadline,
             follow_interval=settings.follow_interval,
         )
+        if settings.adapters_manifest:
+            # The manifest names every adapter (the demo's and a Vi run's included).
+            self.fleet = FleetReconciler(
+                self.manager, settings.adapters_manifest, settings.follow_interval
+            )
+            boot_loras = []
         for name, source in boot_loras:
             await self.manager.declare(name, source)
         self.manager.follower.sync()
         self.manager.store_watch.start()
+        if self.fleet is not None:
+            self.fleet.start()
 
     def _choose_cpu_lora_ops(self) -> None:
         """Switch the engine plugin on when the settings ask and the engine will take it."""
@@ -306,13 +319,23 @@ class SupervisedEngineBackend:
             return False, {"status": "failed", "reason": self._prepare_error}
         if self.manager is None or (state == EngineState.STOPPED and not self._prepared.is_set()):
             return False, {"status": "starting", "reason": "preparing the model and adapters"}
+        fleet: dict[str, Any] = (
+            {"adapters_manifest": self.fleet.report()} if self.fleet is not None else {}
+        )
         body: dict[str, Any] = {
             "status": str(state),
             "reason": self.supervisor.reason,
             "models": self.model_ids(),
+            **fleet,
         }
+        if self.supervisor.serving and self.fleet is not None and not self.fleet.applied_once:
+            body["status"] = "starting"
+            body["reason"] = "applying the adapters manifest" + (
+                f": {self.fleet.manifest_error}" if self.fleet.manifest_error else ""
+            )
+            return False, body
         if self.supervisor.serving and self.manager.all_loaded:
-            return True, {"status": "ok", "models": self.model_ids()}
+            return True, {"status": "ok", "models": self.model_ids(), **fleet}
         if self.supervisor.serving:
             body["status"] = "starting" if state == EngineState.READY else str(state)
             body["reason"] = (

@@ -54,19 +54,35 @@ def _manager(request: Request) -> AdapterManager:
     return _engine_backend(request).require_manager()
 
 
+def _changeable_manager(request: Request) -> AdapterManager:
+    """The manager, for a change to this gateway's adapters: refused when a fleet manifest
+    owns them (a change here would diverge from the other replicas)."""
+    backend = _engine_backend(request)
+    if backend.fleet is not None:
+        raise OpenAIError(
+            409,
+            f"this gateway serves the adapters of the manifest {backend.fleet.report()['source']}"
+            "; change the manifest instead (every replica following it converges on the change)",
+            code="managed_by_manifest",
+        )
+    return backend.require_manager()
+
+
 def _fail(exc: AdapterError) -> OpenAIError:
     return OpenAIError(exc.status, str(exc), code=exc.code)
 
 
 @router.get("/admin/adapters")
 async def list_adapters(request: Request) -> dict[str, Any]:
-    manager = _manager(request)
+    backend = _engine_backend(request)
+    manager = backend.require_manager()
     return {
         "object": "list",
         "base_model": manager.base_name,
         "data": manager.list(),
         # Adds running now or finished lately (a failed add of a new name shows only here).
         "progress": [record.as_dict() for record in manager.progress.all()],
+        "adapters_manifest": backend.fleet.report() if backend.fleet is not None else None,
     }
 
 
@@ -100,7 +116,7 @@ async def _adapter_request(request: Request) -> AdapterRequest:
 
 @router.put("/admin/adapters/{name}", openapi_extra=json_body(AdapterRequest.model_json_schema()))
 async def put_adapter(name: str, request: Request) -> dict[str, Any]:
-    manager = _manager(request)
+    manager = _changeable_manager(request)
     body = await _adapter_request(request)
     try:
         return await manager.put(name, body.source, body.revision, body.follow)
@@ -110,7 +126,7 @@ async def put_adapter(name: str, request: Request) -> dict[str, Any]:
 
 @router.delete("/admin/adapters/{name}")
 async def delete_adapter(name: str, request: Request) -> dict[str, Any]:
-    manager = _manager(request)
+    manager = _changeable_manager(request)
     try:
         await manager.remove(name)
     except AdapterError as exc:
@@ -120,7 +136,7 @@ async def delete_adapter(name: str, request: Request) -> dict[str, Any]:
 
 @router.post("/admin/adapters/{name}/rollback")
 async def rollback_adapter(name: str, request: Request) -> dict[str, Any]:
-    manager = _manager(request)
+    manager = _changeable_manager(request)
     try:
         return await manager.rollback(name)
     except AdapterError as exc:
@@ -130,7 +146,7 @@ async def rollback_adapter(name: str, request: Request) -> dict[str, Any]:
 @router.post("/v1/load_lora_adapter", openapi_extra=json_body(LOAD_LORA_ADAPTER))
 async def load_lora_adapter(request: Request) -> Response:
     """vLLM-compatible: goes through the manager (store, validation, versioned swap)."""
-    manager = _manager(request)
+    manager = _changeable_manager(request)
     body = await read_json_object(request, ADMIN_MAX_BODY_BYTES, limit_name="admin bodies")
     name, path = body.get("lora_name"), body.get("lora_path")
     if not isinstance(name, str) or not isinstance(path, str):
@@ -146,7 +162,7 @@ async def load_lora_adapter(request: Request) -> Response:
 
 @router.post("/v1/unload_lora_adapter", openapi_extra=json_body(UNLOAD_LORA_ADAPTER))
 async def unload_lora_adapter(request: Request) -> Response:
-    manager = _manager(request)
+    manager = _changeable_manager(request)
     body = await read_json_object(request, ADMIN_MAX_BODY_BYTES, limit_name="admin bodies")
     name = body.get("lora_name")
     if not isinstance(name, str):

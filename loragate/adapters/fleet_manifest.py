@@ -1,0 +1,177 @@
+"""The fleet's adapter manifest: desired state that every replica pointing at it converges on.
+
+A manifest is JSON or YAML with the fields of ``PUT /admin/adapters/{name}``, plus an optional
+digest pin::
+
+    {"adapters": {"support": {"source": "hf://acme/support-lora", "revision": "v3",
+                              "follow": false, "digest": "3f1c0a9d2b7e"}}}
+
+Its revision is the sha256 of its bytes, so every replica computes the same value for the same
+manifest. It is fetched from a local file, an ``http(s)://`` URL or a file in a Hugging Face
+repository (``hf://ORG/REPO[@REV]/PATH``). These sources are the operator's choice (like an
+adapter source given to the admin API), so no private-address policy applies to them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
+
+MAX_MANIFEST_BYTES = 1 << 20  # a thousand adapters fit in a few hundred KiB
+_FIELDS = {"source", "revision", "follow", "digest"}
+_DIGEST = re.compile(r"^[0-9a-f]{8,64}$")
+_HF_FILE = re.compile(r"^hf://(?P<repo>[^/@\s]+/[^/@\s]+)(?:@(?P<rev>[^/\s]+))?/(?P<path>.+)$")
+
+
+class FleetManifestError(ValueError):
+    """The manifest cannot be fetched or does not say what it must."""
+
+
+@dataclass(frozen=True)
+class DesiredAdapter:
+    source: str
+    revision: str | None = None
+    follow: bool = False
+    digest: str | None = None  # a prefix of the version's sha256 the store must end up with
+
+
+@dataclass(frozen=True)
+class FleetManifest:
+    revision: str  # sha256 of the manifest's bytes
+    adapters: dict[str, DesiredAdapter]
+
+
+def parse_fleet_manifest(data: bytes) -> FleetManifest:
+    """The manifest in ``data`` (JSON or YAML); every mistake in it named in the error."""
+    revision = hashlib.sha256(data).hexdigest()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FleetManifestError("the adapters manifest is not UTF-8 text") from None
+    document = _load(text)
+    if not isinstance(document, dict) or set(document) - {"adapters"}:
+        raise FleetManifestError(
+            'the adapters manifest must be an object with one key, "adapters": '
+            '{"adapters": {"NAME": {"source": ...}}}'
+        )
+    adapters = document.get("adapters") or {}
+    if not isinstance(adapters, dict):
+        raise FleetManifestError('"adapters" must map adapter names to {"source": ...}')
+    return FleetManifest(
+        revision, {str(name): _desired(str(name), spec) for name, spec in adapters.items()}
+    )
+
+
+def _load(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise FleetManifestError(f"the adapters manifest is neither JSON nor YAML: {exc}") from None
+
+
+def _desired(name: str, spec: Any) -> DesiredAdapter:
+    try:
+        validate_adapter_name(name)
+    except InvalidAdapterName as exc:
+        raise FleetManifestError(f"adapters manifest: {exc}") from None
+    if isinstance(spec, str):
+        spec = {"source": spec}
+    if not isinstance(spec, dict):
+        raise FleetManifestError(f"adapters manifest: {name!r} must be {{'source': ...}}")
+    unknown = sorted(set(spec) - _FIELDS)
+    if unknown:
+        raise FleetManifestError(
+            f"adapters manifest: {name!r} has unknown field(s) {unknown}; known: {sorted(_FIELDS)}"
+        )
+    source, revision = spec.get("source"), spec.get("revision")
+    follow, digest = spec.get("follow", False), spec.get("digest")
+    if not isinstance(source, str) or not source.strip():
+        raise FleetManifestError(f"adapters manifest: {name!r} needs a source (a string)")
+    if revision is not None and not isinstance(revision, str):
+        raise FleetManifestError(f"adapters manifest: {name!r}: revision must be a string")
+    if not isinstance(follow, bool):
+        raise FleetManifestError(f"adapters manifest: {name!r}: follow must be true or false")
+    if digest is not None and (not isinstance(digest, str) or not _DIGEST.match(digest)):
+        raise FleetManifestError(
+            f"adapters manifest: {name!r}: digest must be 8 to 64 lowercase hex digits of the "
+            "version's sha256 (GET /admin/adapters shows it as 'version')"
+        )
+    return DesiredAdapter(source.strip(), revision, follow, digest)
+
+
+def fetch_fleet_manifest(source: str, timeout: float = 30.0) -> bytes:
+    """The manifest's bytes from a local path, an http(s) URL or ``hf://ORG/REPO[@REV]/PATH``."""
+    if source.startswith(("http://", "https://")):
+        return _fetch_url(source, timeout)
+    if source.startswith("hf://"):
+        return _fetch_hf(source)
+    path = Path(source.removeprefix("file://")).expanduser()
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise FleetManifestError(f"cannot read the adapters manifest {source}: {exc}") from None
+    return _bounded(data, source)
+
+
+def _fetch_url(url: str, timeout: float) -> bytes:
+    import httpx
+
+    from loragate.adapters.downloads import redact
+
+    try:
+        with httpx.stream("GET", url, timeout=timeout, follow_redirects=True) as response:
+            if response.status_code != 200:
+                raise FleetManifestError(
+                    f"the adapters manifest {redact(url)} answered HTTP {response.status_code}"
+                )
+            data = b""
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) > MAX_MANIFEST_BYTES:
+                    break
+    except httpx.HTTPError as exc:
+        raise FleetManifestError(
+            f"cannot fetch the adapters manifest {redact(url)}: {exc}"
+        ) from None
+    return _bounded(data, redact(url))
+
+
+def _fetch_hf(source: str) -> bytes:
+    match = _HF_FILE.match(source)
+    if match is None:
+        raise FleetManifestError(
+            f"{source!r} is not of the form hf://ORG/REPO[@REVISION]/PATH/TO/MANIFEST.yaml"
+        )
+    from huggingface_hub import hf_hub_download
+
+    from loragate.adapters.sources import hf_token
+
+    try:
+        path = hf_hub_download(
+            match["repo"], match["path"], revision=match["rev"], token=hf_token()
+        )
+    except Exception as exc:  # auth, not found, network: the hub raises many kinds
+        raise FleetManifestError(f"cannot download the adapters manifest {source}: {exc}") from None
+    with open(path, "rb") as handle:
+        return _bounded(handle.read(MAX_MANIFEST_BYTES + 1), source)
+
+
+def _bounded(data: bytes, where: str) -> bytes:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise FleetManifestError(
+            f"the adapters manifest {where} is over {MAX_MANIFEST_BYTES >> 10} KiB"
+        )
+    return data
