@@ -3,7 +3,8 @@
 Each fenced block is preceded by an HTML comment saying how it is tested:
 ``<!-- readme-test: KIND -->``, where KIND is ``demo`` (runs against the real demo
 gateway), ``vision`` (against the vision demo), ``backend`` (starts its own server),
-``config`` (a settings file that must load), or ``skip: WHY`` (needs a GPU, the network,
+``config`` (a settings file that must load), ``manifest`` (an adapters manifest that must
+parse), or ``skip: WHY`` (needs a GPU, the network,
 systemd, ...). A block without one fails ``test_every_readme_block_says_how_it_is_tested``.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-KINDS = ("demo", "vision", "backend", "config", "skip")
+KINDS = ("demo", "vision", "backend", "config", "manifest", "skip")
 _MARK = re.compile(r"<!--\s*readme-test:\s*(\w+)(?::\s*(.*?))?\s*-->")
 _DEFAULT_URLS = ("http://127.0.0.1:8000", "http://localhost:8000", "localhost:8000")
 

@@ -126,16 +126,18 @@ def manifest_report(gateway: GatewayProcess) -> dict[str, Any]:
     return report
 
 
-def wait_serving(gateways: list[GatewayProcess], revision: str, timeout: float) -> float:
-    """Seconds until every gateway reports serving ``revision``."""
+def wait_report(
+    gateways: list[GatewayProcess], revision: str, timeout: float, key: str = "serving_revision"
+) -> float:
+    """Seconds until every gateway reports ``key`` == ``revision``."""
     started = time.monotonic()
     pending = list(gateways)
     while pending:
-        pending = [g for g in pending if manifest_report(g)["serving_revision"] != revision]
+        pending = [g for g in pending if manifest_report(g)[key] != revision]
         if pending and time.monotonic() - started > timeout:
             reports = [manifest_report(g) for g in pending]
-            raise AssertionError(f"not serving manifest {revision[:12]} in {timeout} s: {reports}")
-        time.sleep(0.1)
+            raise AssertionError(f"{key} is not {revision[:12]} after {timeout} s: {reports}")
+        time.sleep(0.05)
     return time.monotonic() - started
 
 
@@ -207,7 +209,8 @@ def test_a_new_version_reaches_both_under_load_and_a_broken_one_neither(
     with Load([g.url for g in gateways]) as load:
         time.sleep(2 * INTERVAL)  # answers from the first version on record
         second = server.write({NAME: {"source": str(demo_dir / "adapters" / "fox")}})
-        took = wait_serving(gateways, second, timeout=INTERVAL + 120)
+        seen = wait_report(gateways, second, INTERVAL + 120, key="latest_revision")
+        took = seen + wait_report(gateways, second, timeout=INTERVAL + 120)
         for gateway in gateways:
             assert phrase_of(ask(gateway.url, NAME, 3)[1]) == "fox"
         time.sleep(2 * INTERVAL)  # answers from the second version on record
@@ -221,7 +224,10 @@ def test_a_new_version_reaches_both_under_load_and_a_broken_one_neither(
                 break
             time.sleep(0.2)
         time.sleep(2 * INTERVAL)  # the broken version is not retried, and fox keeps serving
-    print(f"\nboth replicas served the new manifest {took:.1f} s after it was written")
+    print(
+        f"\nboth replicas fetched the new manifest {seen:.1f} s after it was written and served "
+        f"it after {took:.1f} s (follow interval {INTERVAL} s)"
+    )
 
     for report in reports:
         assert report["latest_revision"] == third and report["serving_revision"] == second
@@ -235,12 +241,14 @@ def test_a_new_version_reaches_both_under_load_and_a_broken_one_neither(
     for gateway in gateways:
         seen = {phrase for (url, phrase), _ in load.answers.items() if url == gateway.url}
         assert seen == {"pong", "fox"}, load.answers  # before and after, nothing else
-    assert took <= INTERVAL + 60, f"the fleet took {took:.1f} s to converge"
+    # Within one interval both have the change; the swap itself then takes what a PUT takes.
+    assert seen <= INTERVAL + 5, f"the fleet took {seen:.1f} s to see the new manifest"
+    assert took <= seen + 60, f"the fleet took {took:.1f} s to serve the new manifest"
 
     # Back to a good manifest (the first): both roll back and converge again.
     again = server.write({NAME: {"source": str(demo_dir / "adapters" / "pong")}})
     assert again == first
-    wait_serving(gateways, first, timeout=INTERVAL + 120)
+    wait_report(gateways, first, timeout=INTERVAL + 120)
     for gateway in gateways:
         assert manifest_report(gateway)["converged"]
         assert phrase_of(ask(gateway.url, NAME, 5)[1]) == "pong"

@@ -18,6 +18,8 @@ from loragate.adapters.fleet_manifest import (
     fetch_fleet_manifest,
     parse_fleet_manifest,
 )
+from loragate.settings import Settings
+from tests.readme_blocks import blocks_of
 
 JSON = json.dumps(
     {
@@ -133,3 +135,19 @@ def test_an_hf_file_is_downloaded_at_its_revision(
     ]
     with pytest.raises(FleetManifestError, match="hf://ORG/REPO"):
         fetch_fleet_manifest("hf://acme")
+
+
+@pytest.mark.parametrize("block", blocks_of("manifest"), ids=lambda block: block.id)
+def test_the_readmes_manifest_parses(block) -> None:  # type: ignore[no-untyped-def]
+    manifest = parse_fleet_manifest(block.code.encode())
+    assert manifest.adapters and all(d.source for d in manifest.adapters.values())
+
+
+def test_a_manifest_owns_every_adapter_of_its_gateway(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="list every adapter in it"):
+        Settings(cache_dir=tmp_path, adapters_manifest="a.yaml", lora=["fox=/srv/fox"])
+    with pytest.raises(ValueError, match="upstream server's"):
+        Settings(
+            cache_dir=tmp_path, adapters_manifest="a.yaml", upstream_url="http://127.0.0.1:9/v1"
+        )
+    assert Settings(cache_dir=tmp_path, adapters_manifest="a.yaml").adapters_manifest == "a.yaml"
