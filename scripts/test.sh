@@ -14,4 +14,4 @@ echo "==> ruff"
 echo "==> mypy"
 .venv/bin/mypy
 echo "==> pytest"
-exec .venv/bin/pytest -p no:cacheprovider "$@"
+exec .venv/bin/pytest -p no:cacheprovider --durations=25 "$@"
