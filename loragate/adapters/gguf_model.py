@@ -4,7 +4,8 @@ Three ways to name one (``--model`` and ``gateway pull`` take all three):
 
 - a path: ``path/to/model.gguf`` (any existing file is taken as a GGUF and checked);
 - ``hf://ORG/REPO[@REVISION]/PATH/TO/FILE.gguf``: one file of a Hugging Face repo, downloaded
-  once into ``<cache_dir>/models/``;
+  once into the user's Hugging Face hub cache (or found in ``<cache_dir>/models/``, where
+  loragate downloaded it before);
 - ``pkg://DIST/PATH``: a file shipped inside an installed Python package, where ``DIST`` is
   the distribution's name as pip knows it and ``PATH`` the file's path as the distribution
   installs it, relative to site-packages, for example
@@ -32,7 +33,13 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from loragate.adapters.model_cache import MODELS_DIRNAME, BaseModelError, offline
+from loragate.adapters.model_cache import (
+    MODELS_DIRNAME,
+    BaseModelError,
+    hub_cache_dir,
+    hub_cache_holding,
+    offline,
+)
 from loragate.adapters.sources import SourceError, hf_progress_class, hf_token, parse_hf_source
 from loragate.model_names import gguf_served_name as gguf_served_name
 from loragate.model_names import is_gguf_source as is_gguf_source
@@ -231,8 +238,7 @@ def _hub_file(source: str, cache_dir: Path, progress: bool, revision: str | None
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     rev = rev_in_source or revision
-    hub_cache = cache_dir / MODELS_DIRNAME
-    hub_cache.mkdir(parents=True, exist_ok=True)
+    hub_cache = hub_cache_holding(repo, cache_dir / MODELS_DIRNAME)
     try:
         # A copy in the cache wins: serving must not depend on the hub being reachable.
         return Path(
@@ -243,7 +249,8 @@ def _hub_file(source: str, cache_dir: Path, progress: bool, revision: str | None
     except LocalEntryNotFoundError:
         if offline():
             raise BaseModelError(
-                f"{source} is not in the cache {hub_cache} and HF_HUB_OFFLINE is set; run "
+                f"{source} is not in the Hugging Face cache {hub_cache or hub_cache_dir()} and "
+                "HF_HUB_OFFLINE is set; run "
                 f"`gateway pull {source}` with network access first"
             ) from None
     try:

@@ -7,7 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loragate.adapters.model_cache import MODELS_DIRNAME, BaseModelError, offline
+from loragate.adapters.model_cache import (
+    MODELS_DIRNAME,
+    BaseModelError,
+    hub_cache_dir,
+    hub_cache_holding,
+    offline,
+)
 from loragate.adapters.sources import hf_progress_class, hf_token
 
 
@@ -25,9 +31,11 @@ def resolve_base_model(
 ) -> Path:
     """The local directory of base model ``model`` (a directory, a Hugging Face id, or GGUF).
 
-    A Hugging Face id is downloaded with ``snapshot_download`` into ``cache_dir/models/``
-    the first time; later calls, and any call under ``HF_HUB_OFFLINE=1``, use that copy
-    without touching the network. ``HF_TOKEN`` is honoured for gated models.
+    A Hugging Face id is downloaded with ``snapshot_download`` into the user's Hugging Face
+    hub cache the first time (unless it is there already, from vLLM, transformers or
+    ``huggingface-cli download``); later calls, and any call under ``HF_HUB_OFFLINE=1``, use
+    that copy without touching the network. A copy in loragate's former cache
+    (``cache_dir/models/``) is still used. ``HF_TOKEN`` is honoured for gated models.
 
     A GGUF file (``path/model.gguf``, ``hf://ORG/REPO/FILE.gguf``, ``pkg://DIST/PATH``) is
     dequantized the first time by a child running ``python`` (default: this interpreter),
@@ -50,8 +58,7 @@ def resolve_base_model(
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    hub_cache = cache_dir / MODELS_DIRNAME
-    hub_cache.mkdir(parents=True, exist_ok=True)
+    hub_cache = hub_cache_holding(model, cache_dir / MODELS_DIRNAME)
     try:
         # A copy in the cache wins: serving must not depend on the hub being reachable.
         return Path(
@@ -60,8 +67,8 @@ def resolve_base_model(
     except LocalEntryNotFoundError:
         if offline():
             raise BaseModelError(
-                f"base model {model} is not in the cache {hub_cache} and HF_HUB_OFFLINE is set; "
-                f"run `gateway pull {model}` with network access first"
+                f"base model {model} is not in the Hugging Face cache {hub_cache or hub_cache_dir()}"
+                f" and HF_HUB_OFFLINE is set; run `gateway pull {model}` with network access first"
             ) from None
     try:
         path = snapshot_download(

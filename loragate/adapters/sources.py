@@ -87,7 +87,8 @@ def fetch_source(
     is used in place. ``download_dir`` keeps partial downloads between attempts so they
     resume (default: ``dest``'s parent). Archives are capped at ``max_bytes`` (downloaded
     and unpacked) and ``max_members``; each http(s) download must finish within ``deadline``
-    seconds.
+    seconds. ``hf://`` repos come from the user's Hugging Face hub cache (downloaded there
+    when missing), or from ``hf_cache_dir`` when an earlier loragate downloaded them there.
     """
     limits = _Limits(max_bytes, max_members, timeout, download_dir or dest.parent, deadline)
     try:
@@ -239,12 +240,14 @@ def _fetch_hf(
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    from loragate.adapters.model_cache import hub_cache_holding
+
     try:
         snapshot = Path(
             snapshot_download(
                 repo,
                 revision=rev,
-                cache_dir=cache_dir,
+                cache_dir=hub_cache_holding(repo, cache_dir),
                 allow_patterns=[f"{sub}/**", f"{sub}/*"] if sub else None,
                 token=hf_token(),
                 tqdm_class=hf_progress_class(progress),

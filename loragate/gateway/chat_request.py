@@ -528,7 +528,10 @@ def _read_model_config(model: str, cache_dir: str) -> dict[str, Any] | None:
             return None
         from huggingface_hub import try_to_load_from_cache
 
-        found = try_to_load_from_cache(model, "config.json", cache_dir=Path(cache_dir) / "models")
+        from loragate.adapters.model_cache import hub_cache_holding
+
+        legacy = hub_cache_holding(model, Path(cache_dir) / "models")
+        found = try_to_load_from_cache(model, "config.json", cache_dir=legacy)
         if not isinstance(found, str):
             return None
         path = Path(found)

@@ -239,10 +239,11 @@ def test_a_new_version_reaches_both_under_load_and_a_broken_one_neither(
         assert phrase_of(ask(gateway.url, NAME, 4)[1]) == "fox"
     assert load.failures == [], load.failures[:5]
     for gateway in gateways:
-        seen = {phrase for (url, phrase), _ in load.answers.items() if url == gateway.url}
-        assert seen == {"pong", "fox"}, load.answers  # before and after, nothing else
-    # Within one interval both have the change; the swap itself then takes what a PUT takes.
-    assert seen <= INTERVAL + 5, f"the fleet took {seen:.1f} s to see the new manifest"
+        phrases = {phrase for (url, phrase), _ in load.answers.items() if url == gateway.url}
+        assert phrases == {"pong", "fox"}, load.answers  # before and after, nothing else
+    # Within one interval both have the change (slack for a busy box: a pass itself takes a
+    # moment); the swap then takes what a PUT takes.
+    assert seen <= INTERVAL + 15, f"the fleet took {seen:.1f} s to see the new manifest"
     assert took <= seen + 60, f"the fleet took {took:.1f} s to serve the new manifest"
 
     # Back to a good manifest (the first): both roll back and converge again.

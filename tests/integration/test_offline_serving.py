@@ -45,11 +45,11 @@ def chat(url: str, model: str) -> httpx.Response:
 def test_cached_hub_model_and_adapter_serve_with_hf_hub_offline(
     demo_dir: Path, tmp_path: Path
 ) -> None:
-    cache = tmp_path / "cache"
-    as_hub_snapshot(demo_dir / "base", cache / "models", "loragate-test/tiny-llama")
-    as_hub_snapshot(
-        demo_dir / "adapters" / "fox", cache / "adapters" / "hf", "loragate-test/fox-lora"
-    )
+    """From the user's Hugging Face hub cache (``HF_HUB_CACHE``), as vLLM or
+    ``huggingface-cli download`` left them: served offline, the base model not copied."""
+    cache, hub_cache = tmp_path / "cache", tmp_path / "hf-hub"
+    base = as_hub_snapshot(demo_dir / "base", hub_cache, "loragate-test/tiny-llama")
+    as_hub_snapshot(demo_dir / "adapters" / "fox", hub_cache, "loragate-test/fox-lora")
     process = GatewayProcess(
         cache_dir=cache,
         args=[
@@ -58,18 +58,26 @@ def test_cached_hub_model_and_adapter_serve_with_hf_hub_offline(
             "--lora", "fox=hf://loragate-test/fox-lora",
             "--", "--dtype", "float32",
         ],
-        env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"},
+        env={
+            "HF_HUB_OFFLINE": "1",
+            "HF_ENDPOINT": "http://127.0.0.1:9",
+            "HF_HUB_CACHE": str(hub_cache),
+        },
     ).start()  # fmt: skip
     try:
         process.wait_ready()
         assert (
             phrase_of(chat(process.url, "fox").json()["choices"][0]["message"]["content"]) == "fox"
         )
-        base = chat(process.url, "tiny")
+        answer = chat(process.url, "tiny")
         assert (
-            base.status_code == 200
-            and phrase_of(base.json()["choices"][0]["message"]["content"]) is None
+            answer.status_code == 200
+            and phrase_of(answer.json()["choices"][0]["message"]["content"]) is None
         )
+        # The engine reads the hub cache's snapshot; loragate's cache holds no copy of it.
+        weights = {p.name for p in base.iterdir() if p.suffix == ".safetensors"}
+        assert weights and not [p for p in cache.rglob("*") if p.name in weights]
+        assert not list(cache.rglob("models--*"))
         info = {a["name"]: a for a in process.admin("GET", "/admin/adapters").json()["data"]}["fox"]
         assert info["revision"] == COMMIT  # pinned to what was cached
     finally:

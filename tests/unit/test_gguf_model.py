@@ -276,15 +276,18 @@ def _locate_in_child(source: str, cache: Path, env: dict[str, str]) -> Path:
 
 
 def test_an_hf_gguf_is_downloaded_once_then_found_offline(local_hub: str, tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
+    """Into the user's Hugging Face hub cache (``HF_HUB_CACHE``), nothing in loragate's."""
+    cache, hub_cache = tmp_path / "cache", tmp_path / "hf-hub"
     source = "hf://acme/tiny-GGUF/tiny.Q4_0.gguf"
-    path = _locate_in_child(source, cache, {"HF_ENDPOINT": local_hub})
+    env = {"HF_ENDPOINT": local_hub, "HF_HUB_CACHE": str(hub_cache)}
+    path = _locate_in_child(source, cache, env)
     assert path.read_bytes() == HUB_FILE
-    assert path.is_relative_to(cache / "models") and HUB_COMMIT in path.parts
+    assert path.is_relative_to(hub_cache) and HUB_COMMIT in path.parts
+    assert not (cache / "models").exists()
     assert "GET /acme/tiny-GGUF/resolve/main/tiny.Q4_0.gguf" in _HubHandler.requests
 
     _HubHandler.requests.clear()
-    again = _locate_in_child(source, cache, {"HF_ENDPOINT": local_hub, "HF_HUB_OFFLINE": "1"})
+    again = _locate_in_child(source, cache, {**env, "HF_HUB_OFFLINE": "1"})
     assert again == path
     assert not [r for r in _HubHandler.requests if "tiny.Q4_0.gguf" in r]
 
@@ -311,7 +314,7 @@ def test_an_uncached_hf_gguf_offline_says_to_pull_first(
             "repo_id": "acme/tiny-GGUF",
             "filename": "sub/tiny.Q4_0.gguf",
             "revision": "v1",
-            "cache_dir": tmp_path / "cache" / "models",
+            "cache_dir": None,  # the user's Hugging Face hub cache
             "local_files_only": True,
         }
     ]

@@ -12,7 +12,17 @@ SHA = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture
-def fake_hub(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+def hub_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The user's Hugging Face hub cache (``HF_HUB_CACHE``), here a temporary directory."""
+    from huggingface_hub import constants
+
+    path = tmp_path / "hf-hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(path))
+    return path
+
+
+@pytest.fixture
+def fake_hub(monkeypatch: pytest.MonkeyPatch, hub_cache: Path) -> list[dict[str, Any]]:
     """snapshot_download over a fake cache: local_files_only finds only what was downloaded."""
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -21,9 +31,8 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
     def snapshot_download(repo_id: str, **kwargs: Any) -> str:
         calls.append({"repo_id": repo_id, **kwargs})
-        snapshot = (
-            Path(kwargs["cache_dir"]) / f"models--{repo_id.replace('/', '--')}" / "snapshots" / SHA
-        )
+        root = Path(kwargs["cache_dir"] or hub_cache)
+        snapshot = root / f"models--{repo_id.replace('/', '--')}" / "snapshots" / SHA
         if kwargs.get("local_files_only"):
             if not snapshot.is_dir():
                 raise LocalEntryNotFoundError("not in the cache")
@@ -50,18 +59,30 @@ def test_missing_model_directory_is_refused(tmp_path: Path) -> None:
         resolve_base_model(str(tmp_path / "nope"), tmp_path / "cache")
 
 
-def test_hf_model_is_downloaded_once_into_the_cache_then_used_offline(
-    fake_hub: list[dict[str, Any]], tmp_path: Path
+def test_hf_model_is_downloaded_once_into_the_hub_cache_then_used_offline(
+    fake_hub: list[dict[str, Any]], hub_cache: Path, tmp_path: Path
 ) -> None:
     first = resolve_base_model("acme/tiny", tmp_path / "cache", progress=True)
-    assert first.name == SHA and first.is_relative_to(tmp_path / "cache" / "models")
+    assert first.name == SHA and first.is_relative_to(hub_cache)
     downloads = [c for c in fake_hub if not c.get("local_files_only")]
-    assert len(downloads) == 1 and downloads[0]["cache_dir"] == tmp_path / "cache" / "models"
+    assert len(downloads) == 1 and downloads[0]["cache_dir"] is None  # huggingface_hub's own
     assert downloads[0]["tqdm_class"] is None  # the hub's own progress bars
+    assert not (tmp_path / "cache").exists()  # no second copy in loragate's cache
 
     fake_hub.clear()
     assert resolve_base_model("acme/tiny", tmp_path / "cache") == first
     assert [c["local_files_only"] for c in fake_hub] == [True]
+
+
+def test_a_model_downloaded_by_an_earlier_loragate_is_still_served_from_there(
+    fake_hub: list[dict[str, Any]], hub_cache: Path, tmp_path: Path
+) -> None:
+    legacy = tmp_path / "cache" / "models"
+    old = legacy / "models--acme--tiny" / "snapshots" / SHA
+    old.mkdir(parents=True)
+    assert resolve_base_model("acme/tiny", tmp_path / "cache") == old
+    assert [(c["cache_dir"], c["local_files_only"]) for c in fake_hub] == [(legacy, True)]
+    assert not hub_cache.exists()
 
 
 def test_quiet_download_passes_a_disabled_progress_bar(

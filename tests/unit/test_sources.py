@@ -720,3 +720,13 @@ def test_two_fetches_of_one_url_at_once_take_turns_on_its_partial_download(
         assert (fetched.path / "padding.bin").read_bytes() == (
             adapter_dir / "padding.bin"
         ).read_bytes()
+
+
+def test_hf_source_comes_from_the_users_hub_cache_unless_an_earlier_loragate_kept_it(
+    fake_hub: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    legacy = tmp_path / "store" / "hf"  # where loragate downloaded hf:// sources before
+    fetch_source("hf://acme/lora", tmp_path / "a", progress=False, hf_cache_dir=legacy)
+    (legacy / "models--acme--old").mkdir(parents=True)
+    fetch_source("hf://acme/old", tmp_path / "b", progress=False, hf_cache_dir=legacy)
+    assert [call["cache_dir"] for call in fake_hub] == [None, legacy]
