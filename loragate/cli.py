@@ -429,15 +429,34 @@ def adapters_add(
     typer.echo(
         f"Adding {name} from {source} (download, conversion and validation happen on the gateway)..."
     )
-    result = _admin(
-        url,
-        admin_key,
-        "PUT",
-        f"/admin/adapters/{name}",
-        {"source": source, "revision": revision, "follow": follow},
-        cache_dir,
+    import time
+
+    from loragate.cli_progress import run_showing_progress, stderr_echo
+
+    if admin_key is None:
+        admin_key = _local_admin_token(url, cache_dir)
+    body = {"source": source, "revision": revision, "follow": follow}
+    result = run_showing_progress(
+        lambda: _admin(url, admin_key, "PUT", f"/admin/adapters/{name}", body, cache_dir),
+        lambda: _progress_record(url, admin_key, name),
+        time.time(),
+        stderr_echo,
     )
     typer.echo(f"{result['name']} now serves version {result['version'][:12]} ({result['state']}).")
+
+
+def _progress_record(url: str, admin_key: str | None, name: str) -> dict[str, Any] | None:
+    """The gateway's progress record of the add of ``name`` running now, if any."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    response = httpx.get(
+        f"{url.rstrip('/')}/admin/adapters/{name}", headers=headers, timeout=5, trust_env=False
+    )
+    if response.status_code != 200:
+        return None
+    record = response.json().get("progress")
+    return record if isinstance(record, dict) else None
 
 
 @adapters_app.command("list")
