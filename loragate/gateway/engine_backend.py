@@ -328,6 +328,8 @@ class SupervisedEngineBackend:
             "models": self.model_ids(),
             **fleet,
         }
+        if self.supervisor.boot_progress is not None:
+            body["boot_progress"] = self.supervisor.boot_progress
         if self.supervisor.serving and self.fleet is not None and not self.fleet.applied_once:
             body["status"] = "starting"
             body["reason"] = "applying the adapters manifest" + (

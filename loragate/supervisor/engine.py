@@ -31,7 +31,7 @@ import psutil
 
 from loragate import plain_http
 from loragate.supervisor.engine_command import EngineSpec, engine_argv, engine_env, redacted
-from loragate.supervisor.engine_log import open_engine_log, tail_lines
+from loragate.supervisor.engine_log import boot_phase, open_engine_log, tail_lines
 from loragate.supervisor.engine_socket import EngineSocket, EngineSocketError
 from loragate.supervisor.pidfile import EnginePidFile
 from loragate.supervisor.process_tree import ENGINE_TAG, kill_boot, kill_tree_now, stop_tree
@@ -138,6 +138,7 @@ _WRAPPER_ERRORS = (
     "Engine process failed to start",
 )
 _BOOT_BANNER = "===== loragate: engine boot at"
+BOOT_REPORT_SECONDS = 15.0  # how often a boot says how far it has come
 # Start-up errors that another attempt can fix by itself (the next boot removes a stale socket).
 _TRANSIENT_ERRORS = ("Address already in use", "EADDRINUSE")
 
@@ -215,6 +216,7 @@ class EngineSupervisor:
         self._socket = EngineSocket(cache_dir)
         self.state = EngineState.STOPPED
         self.reason = "not started"
+        self.boot_progress: str | None = None  # while booting: time so far and what it does
         self.state_since = time.time()
         self.endpoint: EngineEndpoint | None = None
         self.restarts = 0
@@ -356,6 +358,7 @@ class EngineSupervisor:
         return {
             "state": str(self.state),
             "reason": self.reason,
+            "boot_progress": self.boot_progress,
             "since": self.state_since,
             "pid": self.engine_pid,
             "launcher_pid": self.launcher_pid,
@@ -456,8 +459,14 @@ class EngineSupervisor:
             self._transition(EngineState.STARTING, reason)
         await self._spawn()
         assert self._exit is not None
-        deadline = time.monotonic() + self.timings.startup_timeout
+        self.boot_progress = None
+        started = time.monotonic()
+        deadline = started + self.timings.startup_timeout
+        next_report = started + BOOT_REPORT_SECONDS
         while not await self._probe():
+            if time.monotonic() >= next_report:
+                next_report += BOOT_REPORT_SECONDS
+                self._report_boot(time.monotonic() - started)
             if self._exit.done():
                 info = await self._reap()
                 lines = current_boot(tail_lines(self.log_path, 400, max_bytes=256 * 1024))
@@ -477,8 +486,15 @@ class EngineSupervisor:
             await asyncio.wait({self._exit}, timeout=0.5)
         for hook in self._ready_hooks:
             await hook()
+        self.boot_progress = None
         self._transition(EngineState.READY, "engine answers /health")
         self._ready_since = time.monotonic()
+
+    def _report_boot(self, elapsed: float) -> None:
+        """How far the boot has come, in the log and in ``info()`` (so /health can say)."""
+        lines = current_boot(tail_lines(self.log_path, 80, max_bytes=64 * 1024))
+        self.boot_progress = f"{elapsed:.0f} s so far: {boot_phase(lines)}"
+        log.info("engine starting, %s", self.boot_progress)
 
     async def _watch(self) -> str:
         """Watch a ready engine until it exits or hangs; returns why it must restart."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -265,3 +266,57 @@ async def test_the_engine_spec_is_built_off_the_event_loop(tmp_path: Path) -> No
     finally:
         await sup.stop()
     assert threads and loop_thread not in threads, (loop_thread, threads)
+
+
+# Boots slowly the way vLLM does: says it loads the weights, takes a while, then serves.
+SLOW_ENGINE = [
+    sys.executable,
+    "-c",
+    "import os, sys, time; "
+    "print('(Worker pid=1) INFO 11-30 18:03:56 [cpu_model_runner.py:68] Starting to load model "
+    "x...', flush=True); time.sleep(2); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'tools.bench.fake_engine', *sys.argv[1:]])",
+]
+
+
+async def test_a_slow_boot_says_how_far_it_has_come(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("loragate.supervisor.engine.BOOT_REPORT_SECONDS", 0.3)
+    caplog.set_level(logging.INFO, logger="loragate.supervisor")
+    sup = supervisor(tmp_path, SLOW_ENGINE)
+    seen: list[str] = []
+    await sup.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sup.state != EngineState.READY and time.monotonic() < deadline:
+            if sup.boot_progress and sup.boot_progress not in seen:
+                seen.append(sup.boot_progress)
+            await asyncio.sleep(0.05)
+        assert sup.state == EngineState.READY
+        assert any("s so far: loading the model's weights" in line for line in seen), seen
+        assert "engine starting, " in caplog.text
+        assert sup.boot_progress is None and sup.info()["boot_progress"] is None
+    finally:
+        await sup.stop()
+
+
+@pytest.mark.parametrize(
+    ("lines", "phase"),
+    [
+        ([], "starting Python and importing vLLM"),
+        (["(APIServer pid=7) INFO 11-30 18:02:41 [api_utils.py:286] non-default args: {}"],
+         "reading the model's configuration"),
+        (["(Worker pid=7) INFO 11-30 18:03:56 [cpu_model_runner.py:68] Starting to load model m",
+          "Loading safetensors checkpoint shards:  40% Completed | 2/5"],
+         "loading the model's weights"),
+        (["(EngineCore pid=7) INFO 11-30 18:04:03 [kv_cache_utils.py:2327] CPU KV cache size: 1"],
+         "allocating the KV cache and warming up"),
+        (["(APIServer pid=7) INFO 11-30 18:04:07 [x.py:1] Something new in vLLM 0.33"],
+         "Something new in vLLM 0.33"),
+    ],
+)  # fmt: skip
+def test_boot_phase_reads_the_engines_last_telling_line(lines: list[str], phase: str) -> None:
+    from loragate.supervisor.engine_log import boot_phase
+
+    assert boot_phase(lines) == phase
