@@ -83,6 +83,9 @@ def parse_lora_flag(value: str) -> tuple[str, str]:
 
 
 class SupervisedEngineBackend:
+    # With --adapters-manifest: what converges this gateway's adapters on the fleet's.
+    fleet: FleetReconciler | None = None
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.cache_dir = settings.cache_dir.expanduser().resolve()
@@ -94,8 +97,6 @@ class SupervisedEngineBackend:
         self.engine = EngineClient(self.supervisor)
         self.proxy = ProxyClient()
         self.manager: AdapterManager | None = None
-        # With --adapters-manifest: what converges this gateway's adapters on the fleet's.
-        self.fleet: FleetReconciler | None = None
         self.slots: AdapterSlots | None = None
         self.model_dir: Path | None = None
         self.zero_adapter = False

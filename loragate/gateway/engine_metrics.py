@@ -1,6 +1,6 @@
 """The engine's own /metrics, as the gateway's scrape shows it, and the gateway's process metrics.
 
-The engine's series are appended to the gateway's scrape (``metrics.render``) with three
+The engine's series are appended to the gateway's scrape (``metrics_scrape.render``) with three
 changes, so one scrape target reads as one service:
 
 - every engine sample carries ``component="engine"``;

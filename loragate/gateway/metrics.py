@@ -1,8 +1,8 @@
-"""Prometheus metrics: the gateway's own, its engine's state, and the engine's metrics appended.
+"""Recording the gateway's request metrics (``metrics_scrape`` turns them into the scrape).
 
-The text format is written by hand: recording a request is a few dict and list operations
-(no locks, no label-object lookups), which keeps the hot path as cheap as the proxy itself,
-and a scrape renders everything at once. One ``RequestObservation`` rides along with each
+Recording a request is a few dict and list operations (no locks, no label-object lookups),
+which keeps the hot path as cheap as the proxy itself; a scrape hands the record to
+``prometheus_client`` as metric families. One ``RequestObservation`` rides along with each
 inference request (in a context variable, so the route and the proxy can add to it): the
 route names the public model, the proxy adds the time spent waiting on the upstream, and
 ``RequestObserver`` (a pure ASGI middleware) records status, duration, time to first token
@@ -11,29 +11,25 @@ and the gateway's own share of the time when the answer is complete.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import time
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loragate import plain_http
-from loragate.gateway.engine_metrics import gateway_process_metrics, relabel_engine_metrics
 from loragate.gateway.engine_routes import engine_route
 from loragate.gateway.traffic import RecentTraffic
 
 if TYPE_CHECKING:
-    from loragate.gateway.runtime import Gateway
+    pass
 
 log = logging.getLogger("loragate.gateway")
 access_log = logging.getLogger("loragate.access")
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 UNKNOWN_MODEL = "unknown"  # a label value for requests rejected before their model was checked
 
@@ -121,16 +117,15 @@ class Histogram:
         self.count += 1
         self.total += value
 
-    def lines(self, name: str, labels: str) -> Iterable[str]:
-        sep = "," if labels else ""
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative counts by upper bound, ``+Inf`` last (``HistogramMetricFamily``'s form)."""
+        out: list[tuple[str, float]] = []
         running = 0
         for bound, count in zip(self.bounds, self.counts, strict=False):
             running += count
-            yield f'{name}_bucket{{{labels}{sep}le="{_number(bound)}"}} {running}'
-        yield f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}'
-        suffix = f"{{{labels}}}" if labels else ""
-        yield f"{name}_sum{suffix} {_number(self.total)}"
-        yield f"{name}_count{suffix} {self.count}"
+            out.append((floatToGoString(bound), running))
+        out.append(("+Inf", self.count))
+        return out
 
 
 class GatewayMetrics:
@@ -163,41 +158,6 @@ class GatewayMetrics:
         self.recent.add(observation.status, elapsed, first_token)
         if observation.upstream_seconds > 0.0:
             self.overhead.observe(max(0.0, elapsed - observation.upstream_seconds))
-
-    def render(self) -> list[str]:
-        out = [
-            "# HELP loragate_requests_total Inference requests answered, by route, public model and HTTP status.",
-            "# TYPE loragate_requests_total counter",
-        ]
-        for (route, model, status), count in sorted(self.requests.items()):
-            out.append(
-                f'loragate_requests_total{{route="{route}",model="{_label(model)}",status="{status}"}} {count}'
-            )
-        out += [
-            "# HELP loragate_request_duration_seconds Time from request to the end of the answer.",
-            "# TYPE loragate_request_duration_seconds histogram",
-        ]
-        for (route, model), histogram in sorted(self.duration.items()):
-            out += histogram.lines(
-                "loragate_request_duration_seconds", f'route="{route}",model="{_label(model)}"'
-            )
-        out += [
-            "# HELP loragate_time_to_first_token_seconds Streamed requests: time to the first event.",
-            "# TYPE loragate_time_to_first_token_seconds histogram",
-        ]
-        for model, histogram in sorted(self.ttft.items()):
-            out += histogram.lines(
-                "loragate_time_to_first_token_seconds", f'model="{_label(model)}"'
-            )
-        out += [
-            "# HELP loragate_gateway_overhead_seconds Time a proxied request spent in the gateway itself (its duration minus the upstream's).",
-            "# TYPE loragate_gateway_overhead_seconds histogram",
-            *self.overhead.lines("loragate_gateway_overhead_seconds", ""),
-            "# HELP loragate_requests_in_flight Inference requests being answered now.",
-            "# TYPE loragate_requests_in_flight gauge",
-            f"loragate_requests_in_flight {self.in_flight}",
-        ]
-        return out
 
 
 class RequestObserver:
@@ -290,150 +250,3 @@ def log_access(scope: Scope, observation: RequestObservation, ended: float) -> N
             "duration_ms": duration_ms,
         },
     )
-
-
-# ----- the scrape -----------------------------------------------------------------------------
-
-
-async def render(gateway: Gateway) -> bytes:
-    """The whole scrape: the gateway's metrics, its backend's state, then the engine's own."""
-    lines = gateway.metrics.render()
-    lines += _process_lines()
-    backend: Any = gateway.backend
-    supervisor = getattr(backend, "supervisor", None)
-    if supervisor is not None:
-        lines += _engine_lines(supervisor)
-    manager = getattr(backend, "manager", None)
-    if manager is not None:
-        lines += await _adapter_lines(manager)
-    engine_text = await _engine_metrics(supervisor)
-    lines += [
-        "# HELP loragate_engine_metrics_up Whether the engine's own /metrics answered this scrape.",
-        "# TYPE loragate_engine_metrics_up gauge",
-        f"loragate_engine_metrics_up {1 if engine_text else 0}",
-    ]
-    text = "\n".join(lines).encode() + b"\n" + gateway_process_metrics()
-    if engine_text:
-        text += relabel_engine_metrics(engine_text, getattr(backend, "rename_engine_ids", None))
-    return text
-
-
-def _process_lines() -> list[str]:
-    import psutil
-
-    process = psutil.Process()
-    with process.oneshot():
-        rss = process.memory_info().rss
-        cpu = process.cpu_times()
-    return [
-        "# HELP loragate_process_resident_memory_bytes The gateway process's resident memory.",
-        "# TYPE loragate_process_resident_memory_bytes gauge",
-        f"loragate_process_resident_memory_bytes {rss}",
-        "# HELP loragate_process_cpu_seconds_total CPU time the gateway process used.",
-        "# TYPE loragate_process_cpu_seconds_total counter",
-        f"loragate_process_cpu_seconds_total {_number(cpu.user + cpu.system)}",
-    ]
-
-
-def _engine_lines(supervisor: Any) -> list[str]:
-    from loragate.supervisor.states import EngineState
-
-    state = str(supervisor.state)
-    out = [
-        "# HELP loragate_engine_state The engine's life-cycle state (1 for the current one).",
-        "# TYPE loragate_engine_state gauge",
-    ]
-    out += [f'loragate_engine_state{{state="{s}"}} {1 if s == state else 0}' for s in EngineState]
-    out += [
-        "# HELP loragate_engine_restarts_total Engine restarts since the gateway started.",
-        "# TYPE loragate_engine_restarts_total counter",
-        f"loragate_engine_restarts_total {supervisor.restarts}",
-        "# HELP loragate_requests_queued Requests waiting for the engine to become ready.",
-        "# TYPE loragate_requests_queued gauge",
-        f"loragate_requests_queued {supervisor.waiting}",
-    ]
-    return out
-
-
-_ADAPTER_COUNTERS = (
-    ("loads", "loragate_adapter_loads_total", "Adapter versions loaded into the engine."),
-    ("swaps", "loragate_adapter_swaps_total", "Hot swaps: a public name moved to a new version."),
-    ("load_failures", "loragate_adapter_load_failures_total", "Adapter loads that failed."),
-    (
-        "unloads",
-        "loragate_adapter_unloads_total",
-        "Retired adapter versions unloaded after draining.",
-    ),
-    (
-        "store_repairs",
-        "loragate_adapter_store_repairs_total",
-        "Live adapter versions found modified on disk and stored again from their source.",
-    ),
-)
-
-
-async def _adapter_lines(manager: Any) -> list[str]:
-    out: list[str] = []
-    counters = manager.counters
-    for key, name, help_text in _ADAPTER_COUNTERS:
-        out += [
-            f"# HELP {name} {help_text}",
-            f"# TYPE {name} counter",
-            f"{name} {counters.get(key, 0)}",
-        ]
-    last = manager.last_load_seconds
-    out += [
-        "# HELP loragate_adapter_last_load_duration_seconds How long the last adapter load took.",
-        "# TYPE loragate_adapter_last_load_duration_seconds gauge",
-        f"loragate_adapter_last_load_duration_seconds {_number(last) if last is not None else 'NaN'}",
-        "# HELP loragate_adapters_served Public adapter names served now (the base model excluded).",
-        "# TYPE loragate_adapters_served gauge",
-        f"loragate_adapters_served {max(0, len(manager.public_models()) - 1)}",
-    ]
-    store = manager.store
-    try:
-        size = await asyncio.to_thread(store.total_bytes)  # reads every version's metadata
-    except OSError as exc:
-        log.warning("metrics: could not size the adapter store: %s", exc)
-        size = None
-    out += [
-        "# HELP loragate_adapter_store_bytes Bytes the adapter store holds on disk.",
-        "# TYPE loragate_adapter_store_bytes gauge",
-        f"loragate_adapter_store_bytes {size if size is not None else 'NaN'}",
-        "# HELP loragate_adapter_store_evictions_total Adapter versions evicted to keep the store under its cap.",
-        "# TYPE loragate_adapter_store_evictions_total counter",
-        f"loragate_adapter_store_evictions_total {store.evictions}",
-    ]
-    return out
-
-
-async def _engine_metrics(supervisor: Any) -> bytes | None:
-    """The engine's own /metrics text, or None when there is no engine or it does not answer."""
-    endpoint = getattr(supervisor, "endpoint", None) if supervisor is not None else None
-    if endpoint is None or not supervisor.serving:
-        return None
-    try:
-        answer = await plain_http.request(
-            "GET",
-            endpoint.base_url + "/metrics",
-            timeout=3.0,
-            headers=endpoint.headers,
-            uds=getattr(endpoint, "uds", None),
-        )
-    except Exception as exc:  # a scrape must answer even when the engine does not
-        log.debug("metrics: the engine's /metrics did not answer: %r", exc)
-        return None
-    return answer.body if answer.status == 200 else None
-
-
-def _number(value: float) -> str:
-    """A sample value or ``le`` bound the way prometheus_client writes it (``1.0``, ``NaN``)."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

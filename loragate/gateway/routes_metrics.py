@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from loragate.gateway import metrics
+from loragate.gateway import metrics_scrape
 from loragate.gateway.runtime import Gateway
 
 router = APIRouter()
@@ -16,4 +16,4 @@ async def scrape(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     if not gateway.settings.metrics_public:
         gateway.check_admin_key(request, request.client.host if request.client else None)
-    return Response(await metrics.render(gateway), media_type=metrics.CONTENT_TYPE)
+    return Response(await metrics_scrape.render(gateway), media_type=metrics_scrape.CONTENT_TYPE)

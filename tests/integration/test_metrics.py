@@ -67,15 +67,15 @@ def test_request_counters_follow_known_traffic_by_model_and_status(
         return value(after, name, **labels) - value(before, name, **labels)
 
     requests = "loragate_requests_total"
-    assert moved(requests, route=CHAT, model=BASE, status="200") == 2
-    assert moved(requests, route=CHAT, model="pong", status="200") == 1
-    assert moved(requests, route=CHAT, model="fox", status="200") == 1
-    assert moved(requests, route="/v1/completions", model=BASE, status="200") == 1
-    assert moved(requests, route=CHAT, model="unknown", status="404") == 1
+    assert moved(requests, route=CHAT, model_name=BASE, status="200") == 2
+    assert moved(requests, route=CHAT, model_name="pong", status="200") == 1
+    assert moved(requests, route=CHAT, model_name="fox", status="200") == 1
+    assert moved(requests, route="/v1/completions", model_name=BASE, status="200") == 1
+    assert moved(requests, route=CHAT, model_name="unknown", status="404") == 1
     assert not any("no-such-model" in str(labels) for _, labels in after)
-    assert moved("loragate_request_duration_seconds_count", route=CHAT, model=BASE) == 2
-    assert moved("loragate_time_to_first_token_seconds_count", model="fox") == 1
-    assert moved("loragate_time_to_first_token_seconds_count", model="pong") == 0
+    assert moved("loragate_request_duration_seconds_count", route=CHAT, model_name=BASE) == 2
+    assert moved("loragate_time_to_first_token_seconds_count", model_name="fox") == 1
+    assert moved("loragate_time_to_first_token_seconds_count", model_name="pong") == 0
     # Five requests reached the engine; each has the gateway's own share of its time.
     assert moved("loragate_gateway_overhead_seconds_count") == 5
     assert value(after, "loragate_requests_in_flight") == 0

@@ -400,9 +400,9 @@ def test_a_relayed_stream_arrives_whole_and_is_counted(
         for family in text_string_to_metric_families(scrape)
         for s in family.samples
     }
-    labels = (("model", "base"), ("route", "/v1/chat/completions"), ("status", "200"))
+    labels = (("model_name", "base"), ("route", "/v1/chat/completions"), ("status", "200"))
     assert samples[("loragate_requests_total", labels)] == 1
-    assert samples[("loragate_time_to_first_token_seconds_count", (("model", "base"),))] == 1
+    assert samples[("loragate_time_to_first_token_seconds_count", (("model_name", "base"),))] == 1
     assert samples[("loragate_requests_in_flight", ())] == 0
     assert hot_calls == ["/v1/chat/completions"]
 
@@ -440,7 +440,7 @@ def test_hot_requests_are_counted_by_model_and_status(tmp_path: Path, hot_calls:
         assert client.post("/v1/chat/completions", json=chat("pong")).status_code == 401
         scrape = client.get("/metrics").text
     counts = {
-        (s.labels["model"], s.labels["status"]): s.value
+        (s.labels["model_name"], s.labels["status"]): s.value
         for family in text_string_to_metric_families(scrape)
         for s in family.samples
         if s.name == "loragate_requests_total"

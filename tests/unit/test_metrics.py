@@ -21,6 +21,7 @@ from loragate.gateway.metrics import (
     RequestObservation,
     RequestObserver,
 )
+from loragate.gateway.metrics_scrape import exposition, request_families
 from loragate.settings import Settings
 from loragate.supervisor.states import EngineState
 from tests.backend_double import ProxiedBackend
@@ -73,14 +74,8 @@ def test_histogram_buckets_are_cumulative_and_inclusive() -> None:
     histogram = Histogram((0.1, 1.0))
     for observed in (0.05, 0.1, 0.5, 3.0):
         histogram.observe(observed)
-    lines = list(histogram.lines("h", 'model="m"'))
-    assert lines == [
-        'h_bucket{model="m",le="0.1"} 2',
-        'h_bucket{model="m",le="1.0"} 3',
-        'h_bucket{model="m",le="+Inf"} 4',
-        'h_sum{model="m"} 3.65',
-        'h_count{model="m"} 4',
-    ]
+    assert histogram.buckets() == [("0.1", 2), ("1.0", 3), ("+Inf", 4)]
+    assert histogram.total == pytest.approx(3.65) and histogram.count == 4
 
 
 def test_requests_are_counted_by_route_model_and_status() -> None:
@@ -90,15 +85,25 @@ def test_requests_are_counted_by_route_model_and_status() -> None:
         observation.model, observation.status = model, status
         observation.upstream_seconds = 0.5 if status == 200 else 0.0
         metrics.record("/v1/chat/completions", observation, ended=10.5 + 0.001)
-    samples = parse("\n".join(metrics.render()) + "\n")
+    samples = parse(exposition(request_families(metrics)).decode())
     route = "/v1/chat/completions"
-    assert value(samples, "loragate_requests_total", route=route, model="base", status="200") == 2
-    assert value(samples, "loragate_requests_total", route=route, model="tuned", status="200") == 1
     assert (
-        value(samples, "loragate_requests_total", route=route, model=UNKNOWN_MODEL, status="404")
+        value(samples, "loragate_requests_total", route=route, model_name="base", status="200") == 2
+    )
+    assert (
+        value(samples, "loragate_requests_total", route=route, model_name="tuned", status="200")
         == 1
     )
-    assert value(samples, "loragate_request_duration_seconds_count", route=route, model="base") == 2
+    assert (
+        value(
+            samples, "loragate_requests_total", route=route, model_name=UNKNOWN_MODEL, status="404"
+        )
+        == 1
+    )
+    assert (
+        value(samples, "loragate_request_duration_seconds_count", route=route, model_name="base")
+        == 2
+    )
     # Only requests that reached the upstream have an overhead, here 1 ms each.
     assert value(samples, "loragate_gateway_overhead_seconds_count") == 3
     assert value(samples, "loragate_gateway_overhead_seconds_bucket", le="0.0025") == 3
@@ -110,13 +115,13 @@ def test_label_values_are_escaped() -> None:
     observation = RequestObservation(started=0.0)
     observation.model, observation.status = 'we"ird\\name', 200
     metrics.record("/v1/completions", observation, ended=0.01)
-    samples = parse("\n".join(metrics.render()) + "\n")
+    samples = parse(exposition(request_families(metrics)).decode())
     assert (
         value(
             samples,
             "loragate_requests_total",
             route="/v1/completions",
-            model='we"ird\\name',
+            model_name='we"ird\\name',
             status="200",
         )
         == 1
@@ -148,32 +153,48 @@ async def test_scrape_counts_known_traffic_by_model_and_status(engine: str, tmp_
     samples = parse(scrape.text)
     chat_route, legacy = "/v1/chat/completions", "/v1/completions"
     assert (
-        value(samples, "loragate_requests_total", route=chat_route, model="base", status="200") == 2
-    )
-    assert (
-        value(samples, "loragate_requests_total", route=chat_route, model="tuned", status="200")
+        value(samples, "loragate_requests_total", route=chat_route, model_name="base", status="200")
         == 2
     )
-    assert value(samples, "loragate_requests_total", route=legacy, model="base", status="200") == 1
+    assert (
+        value(
+            samples, "loragate_requests_total", route=chat_route, model_name="tuned", status="200"
+        )
+        == 2
+    )
+    assert (
+        value(samples, "loragate_requests_total", route=legacy, model_name="base", status="200")
+        == 1
+    )
     # Unchecked model names never become label values: they would let clients grow the scrape.
     assert (
         value(
-            samples, "loragate_requests_total", route=chat_route, model=UNKNOWN_MODEL, status="404"
+            samples,
+            "loragate_requests_total",
+            route=chat_route,
+            model_name=UNKNOWN_MODEL,
+            status="404",
         )
         == 2
     )
     assert (
         value(
-            samples, "loragate_requests_total", route=chat_route, model=UNKNOWN_MODEL, status="400"
+            samples,
+            "loragate_requests_total",
+            route=chat_route,
+            model_name=UNKNOWN_MODEL,
+            status="400",
         )
         == 1
     )
     assert not any("no-such-model" in str(labels) for _, labels in samples)
-    assert value(samples, "loragate_time_to_first_token_seconds_count", model="tuned") == 1
-    assert value(samples, "loragate_time_to_first_token_seconds_count", model="base") == 0
+    assert value(samples, "loragate_time_to_first_token_seconds_count", model_name="tuned") == 1
+    assert value(samples, "loragate_time_to_first_token_seconds_count", model_name="base") == 0
     assert value(samples, "loragate_gateway_overhead_seconds_count") == 5
     assert (
-        value(samples, "loragate_request_duration_seconds_count", route=chat_route, model="base")
+        value(
+            samples, "loragate_request_duration_seconds_count", route=chat_route, model_name="base"
+        )
         == 2
     )
     assert value(samples, "loragate_requests_in_flight") == 0

@@ -1,0 +1,233 @@
+"""GET /metrics: every family the gateway exposes, written by ``prometheus_client``.
+
+Requests are recorded lock-free in ``metrics.GatewayMetrics`` (a few dict operations per
+request); a scrape turns that record, the engine's state and the adapter counters into metric
+families for a collector, and ``prometheus_client`` writes the exposition (names, escaping,
+``NaN``, histogram buckets), followed by its standard ``process_*`` and ``python_info``
+families and ``loragate_build_info`` (``engine_metrics``), then the engine's own series with
+``component="engine"``. The model is labelled ``model_name``, as vLLM labels its own series.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from loragate import plain_http
+from loragate.gateway.engine_metrics import gateway_process_metrics, relabel_engine_metrics
+
+if TYPE_CHECKING:
+    from loragate.gateway.metrics import GatewayMetrics
+    from loragate.gateway.runtime import Gateway
+
+log = logging.getLogger("loragate.gateway")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+NAN = float("nan")
+
+
+class _Families(Collector):
+    """One scrape's families, handed to a registry of its own."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+def exposition(families: Iterable[Metric]) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    return generate_latest(registry)
+
+
+def request_families(metrics: GatewayMetrics) -> list[Metric]:
+    """The gateway's request metrics, by route and public model (``model_name``)."""
+    requests = CounterMetricFamily(
+        "loragate_requests",
+        "Inference requests answered, by route, public model and HTTP status.",
+        labels=["route", "model_name", "status"],
+    )
+    for (route, model, status), count in sorted(metrics.requests.items()):
+        requests.add_metric([route, model, str(status)], count)
+    duration = HistogramMetricFamily(
+        "loragate_request_duration_seconds",
+        "Time from request to the end of the answer.",
+        labels=["route", "model_name"],
+    )
+    for (route, model), histogram in sorted(metrics.duration.items()):
+        duration.add_metric([route, model], histogram.buckets(), histogram.total)
+    ttft = HistogramMetricFamily(
+        "loragate_time_to_first_token_seconds",
+        "Streamed requests: time to the first event.",
+        labels=["model_name"],
+    )
+    for model, histogram in sorted(metrics.ttft.items()):
+        ttft.add_metric([model], histogram.buckets(), histogram.total)
+    overhead = HistogramMetricFamily(
+        "loragate_gateway_overhead_seconds",
+        "Time a proxied request spent in the gateway itself (its duration minus the upstream's).",
+    )
+    overhead.add_metric([], metrics.overhead.buckets(), metrics.overhead.total)
+    in_flight = GaugeMetricFamily(
+        "loragate_requests_in_flight", "Inference requests being answered now."
+    )
+    in_flight.add_metric([], metrics.in_flight)
+    return [requests, duration, ttft, overhead, in_flight]
+
+
+async def render(gateway: Gateway) -> bytes:
+    """The whole scrape: the gateway's metrics, its backend's state, then the engine's own."""
+    families = request_families(gateway.metrics)
+    families += _process_families()
+    backend: Any = gateway.backend
+    supervisor = getattr(backend, "supervisor", None)
+    if supervisor is not None:
+        families += _engine_families(supervisor)
+    manager = getattr(backend, "manager", None)
+    if manager is not None:
+        families += await _adapter_families(manager)
+    engine_text = await _engine_metrics(supervisor)
+    families.append(
+        _gauge(
+            "loragate_engine_metrics_up",
+            "Whether the engine's own /metrics answered this scrape.",
+            1 if engine_text else 0,
+        )
+    )
+    text = exposition(families) + gateway_process_metrics()
+    if engine_text:
+        text += relabel_engine_metrics(engine_text, getattr(backend, "rename_engine_ids", None))
+    return text
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+def _process_families() -> list[Metric]:
+    import psutil
+
+    process = psutil.Process()
+    with process.oneshot():
+        rss = process.memory_info().rss
+        cpu = process.cpu_times()
+    return [
+        _gauge(
+            "loragate_process_resident_memory_bytes", "The gateway process's resident memory.", rss
+        ),
+        _counter(
+            "loragate_process_cpu_seconds",
+            "CPU time the gateway process used.",
+            cpu.user + cpu.system,
+        ),
+    ]
+
+
+def _engine_families(supervisor: Any) -> list[Metric]:
+    from loragate.supervisor.states import EngineState
+
+    state = GaugeMetricFamily(
+        "loragate_engine_state",
+        "The engine's life-cycle state (1 for the current one).",
+        labels=["state"],
+    )
+    for known in EngineState:
+        state.add_metric([str(known)], 1 if known == supervisor.state else 0)
+    return [
+        state,
+        _counter(
+            "loragate_engine_restarts",
+            "Engine restarts since the gateway started.",
+            supervisor.restarts,
+        ),
+        _gauge(
+            "loragate_requests_queued",
+            "Requests waiting for the engine to become ready.",
+            supervisor.waiting,
+        ),
+    ]
+
+
+_ADAPTER_COUNTERS = (
+    ("loads", "loragate_adapter_loads", "Adapter versions loaded into the engine."),
+    ("swaps", "loragate_adapter_swaps", "Hot swaps: a public name moved to a new version."),
+    ("load_failures", "loragate_adapter_load_failures", "Adapter loads that failed."),
+    ("unloads", "loragate_adapter_unloads", "Retired adapter versions unloaded after draining."),
+    (
+        "store_repairs",
+        "loragate_adapter_store_repairs",
+        "Live adapter versions found modified on disk and stored again from their source.",
+    ),
+)
+
+
+async def _adapter_families(manager: Any) -> list[Metric]:
+    counters = manager.counters
+    families: list[Metric] = [
+        _counter(name, help_text, counters.get(key, 0))
+        for key, name, help_text in _ADAPTER_COUNTERS
+    ]
+    last = manager.last_load_seconds
+    families += [
+        _gauge(
+            "loragate_adapter_last_load_duration_seconds",
+            "How long the last adapter load took.",
+            last if last is not None else NAN,
+        ),
+        _gauge(
+            "loragate_adapters_served",
+            "Public adapter names served now (the base model excluded).",
+            max(0, len(manager.public_models()) - 1),
+        ),
+    ]
+    store = manager.store
+    try:
+        size: float = await asyncio.to_thread(store.total_bytes)  # reads each version's metadata
+    except OSError as exc:
+        log.warning("metrics: could not size the adapter store: %s", exc)
+        size = NAN
+    families += [
+        _gauge("loragate_adapter_store_bytes", "Bytes the adapter store holds on disk.", size),
+        _counter(
+            "loragate_adapter_store_evictions",
+            "Adapter versions evicted to keep the store under its cap.",
+            store.evictions,
+        ),
+    ]
+    return families
+
+
+async def _engine_metrics(supervisor: Any) -> bytes | None:
+    """The engine's own /metrics text, or None when there is no engine or it does not answer."""
+    endpoint = getattr(supervisor, "endpoint", None) if supervisor is not None else None
+    if endpoint is None or not supervisor.serving:
+        return None
+    try:
+        answer = await plain_http.request(
+            "GET",
+            endpoint.base_url + "/metrics",
+            timeout=3.0,
+            headers=endpoint.headers,
+            uds=getattr(endpoint, "uds", None),
+        )
+    except Exception as exc:  # a scrape must answer even when the engine does not
+        log.debug("metrics: the engine's /metrics did not answer: %r", exc)
+        return None
+    return answer.body if answer.status == 200 else None
