@@ -62,6 +62,9 @@ ENGINE_ROUTES: tuple[EngineRoute, ...] = (
     EngineRoute("/score", "POST", "json", _POOLING_HINT),
     EngineRoute("/v1/rerank", "POST", "json", _POOLING_HINT),
     EngineRoute("/rerank", "POST", "json", _POOLING_HINT),
+    EngineRoute("/v2/rerank", "POST", "json", _POOLING_HINT),  # Cohere's shape
+    EngineRoute("/v2/embed", "POST", "json", _POOLING_HINT),  # Cohere's shape
+    EngineRoute("/classify", "POST", "json", _POOLING_HINT),
     EngineRoute("/tokenize", "POST", "json"),
     EngineRoute("/detokenize", "POST", "json"),
     EngineRoute("/version", "GET", "plain"),

@@ -202,16 +202,17 @@ def test_stored_responses_are_fetched_by_id(gateway: httpx.Client, seen: list[Se
     assert gateway.get("/v1/responses/..").status_code == 404
 
 
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/classify", "/v2/rerank", "/v2/embed"])
 def test_a_route_the_engine_lacks_for_its_model_says_why(
-    gateway: httpx.Client, seen: list[Seen]
+    gateway: httpx.Client, seen: list[Seen], path: str
 ) -> None:
-    answer = gateway.post("/v1/embeddings", json={"model": "demo", "input": "hi"})
+    answer = gateway.post(path, json={"model": "demo", "input": "hi"})
     assert answer.status_code == 404
     error = answer.json()["error"]
     assert error["code"] == "route_not_served"
     assert "pooling model" in error["message"]
     assert "/v1/chat/completions" in error["message"]
-    assert seen[-1].path == "/v1/embeddings"  # the engine was asked, and said Not Found
+    assert seen[-1].path == path  # the engine was asked, and said Not Found
 
 
 def test_an_unknown_model_is_refused_before_the_engine(
