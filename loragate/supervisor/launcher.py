@@ -11,6 +11,11 @@ that group. What ends what, for every way one of them can die:
   (``EngineSupervisor``, by the boot's ``LORAGATE_ENGINE_TAG``);
 - SIGTERM or SIGINT to the launcher: forwarded to the engine for a graceful exit, and the
   group gets SIGKILL if the engine has not exited ``--grace`` seconds later;
+- a process of the engine leaves the group, or the session (Ray's driver makes itself a group
+  leader, and its raylet, GCS server and workers live in that group; a daemon calls
+  setsid()): the launcher is a child subreaper, so such a process stays under the launcher
+  even when its parent dies, and every "kill the group" below kills the launcher's
+  descendants as well;
 - the engine exits: whatever it left in the group gets SIGKILL at once (vLLM's EngineCore
   and Worker serve nothing without their API server, and a launcher that lingered would keep
   the gateway from seeing the exit: it would blame its health probes instead), and the
@@ -28,7 +33,7 @@ import time
 
 import psutil
 
-from loragate.supervisor.parent_death import set_parent_death_signal
+from loragate.supervisor.parent_death import set_child_subreaper, set_parent_death_signal
 
 PARENT_DIED = signal.SIGUSR1
 DEFAULT_GRACE = 20.0
@@ -46,13 +51,32 @@ def _others_in_group(group: int) -> list[psutil.Process]:
     return members
 
 
+def _descendants() -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process().children(recursive=True)
+    return []
+
+
 def end_leftovers(group: int) -> None:
-    """SIGKILL every other member of ``group``. No waiting: SIGKILL cannot be refused, and a
-    process with gigabytes to unmap takes seconds to go on a busy machine, which the launcher
-    must not spend before exiting (the supervisor sweeps the group again anyway)."""
-    for proc in _others_in_group(group):
+    """SIGKILL every other member of ``group`` and every descendant (adopted ones included).
+    No waiting: SIGKILL cannot be refused, and a process with gigabytes to unmap takes
+    seconds to go on a busy machine, which the launcher must not spend before exiting (the
+    supervisor sweeps the boot again anyway)."""
+    for proc in [*_descendants(), *_others_in_group(group)]:
         with contextlib.suppress(psutil.Error):
             proc.kill()
+
+
+def reap_adopted(engine: int) -> None:
+    """Collect the exit status of adopted orphans that ended (never the engine's: its
+    ``Popen`` must see that), so they do not linger as zombies under the launcher."""
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children():
+            if child.pid == engine:
+                continue
+            with contextlib.suppress(psutil.Error, ChildProcessError):
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(child.pid, os.WNOHANG)
 
 
 def _engine_preexec(launcher: int) -> None:
@@ -86,8 +110,10 @@ def main(argv: list[str]) -> int:
     me = os.getpid()
 
     def kill_group(signum: int, frame: object) -> None:
+        end_leftovers(group)
         os.killpg(group, signal.SIGKILL)
 
+    set_child_subreaper()
     signal.signal(PARENT_DIED, kill_group)
     signal.signal(signal.SIGALRM, kill_group)  # the grace after a forwarded SIGTERM ran out
     set_parent_death_signal(PARENT_DIED)
@@ -107,8 +133,10 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, forward)
     while True:
         try:
-            code = engine.wait()
+            code = engine.wait(timeout=1.0)
             break
+        except subprocess.TimeoutExpired:
+            reap_adopted(engine.pid)
         except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for clarity
             time.sleep(0.01)
     # The engine is gone; anything it left in our group goes with it, by force if need be.
