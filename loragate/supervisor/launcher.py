@@ -12,8 +12,8 @@ that group. What ends what, for every way one of them can die:
 - SIGTERM or SIGINT to the launcher: forwarded to the engine for a graceful exit, and the
   group gets SIGKILL if the engine has not exited ``--grace`` seconds later;
 - a process of the engine leaves the group, or the session (Ray's driver makes itself a group
-  leader, and its raylet, GCS server and workers live in that group; a daemon calls
-  setsid()): the launcher is a child subreaper, so such a process stays under the launcher
+  leader, ``os.setpgrp()`` in ``start_reaper`` of ray/_private/services.py, and its raylet,
+  GCS server and workers live in that new group; a daemon calls setsid()): the launcher is a child subreaper, so such a process stays under the launcher
   even when its parent dies, and every "kill the group" below kills the launcher's
   descendants as well;
 - the engine exits: whatever it left in the group gets SIGKILL at once (vLLM's EngineCore
@@ -29,7 +29,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 
@@ -67,16 +66,17 @@ def end_leftovers(group: int) -> None:
             proc.kill()
 
 
-def reap_adopted(engine: int) -> None:
-    """Collect the exit status of adopted orphans that ended (never the engine's: its
-    ``Popen`` must see that), so they do not linger as zombies under the launcher."""
-    with contextlib.suppress(psutil.Error):
-        for child in psutil.Process().children():
-            if child.pid == engine:
-                continue
-            with contextlib.suppress(psutil.Error, ChildProcessError):
-                if child.status() == psutil.STATUS_ZOMBIE:
-                    os.waitpid(child.pid, os.WNOHANG)
+def wait_for_engine(engine: subprocess.Popen[bytes]) -> int:
+    """Block until the engine exits; its ``Popen`` return code. Adopted orphans that exit
+    meanwhile are reaped on the way, so none lingers as a zombie under the launcher."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)  # PEP 475: retried after a signal handler
+        except ChildProcessError:  # pragma: no cover - the engine was reaped elsewhere
+            return engine.wait()
+        if pid == engine.pid:
+            engine.returncode = os.waitstatus_to_exitcode(status)
+            return engine.returncode
 
 
 def _engine_preexec(launcher: int) -> None:
@@ -124,21 +124,17 @@ def main(argv: list[str]) -> int:
     engine = subprocess.Popen(engine_argv, preexec_fn=lambda: _engine_preexec(me))
 
     def forward(signum: int, frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            engine.send_signal(signum)
+        # os.kill, not Popen.send_signal: that would reap the engine (poll), which only
+        # wait_for_engine may do.
+        if engine.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine.pid, signum)
         if signal.getitimer(signal.ITIMER_REAL)[0] == 0:
             signal.setitimer(signal.ITIMER_REAL, grace)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    while True:
-        try:
-            code = engine.wait(timeout=1.0)
-            break
-        except subprocess.TimeoutExpired:
-            reap_adopted(engine.pid)
-        except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for clarity
-            time.sleep(0.01)
+    code = wait_for_engine(engine)
     # The engine is gone; anything it left in our group goes with it, by force if need be.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

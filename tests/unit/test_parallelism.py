@@ -363,3 +363,30 @@ def test_cpu_build_refusal_reaches_the_boot_check(tmp_path: Path) -> None:
             layout(backend="ray"), engine_python=sys.executable, model_dir=model,
             dtype_bytes=2, cpu_build=True,
         )  # fmt: skip
+
+
+async def test_a_refused_layout_is_the_reason_health_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model resolved at start-up (not seen by the command line's preflight) is checked
+    before the engine boots, and /health says why it will not."""
+    from loragate.gateway.engine_backend import SupervisedEngineBackend
+    from tools.bench.targets import write_fake_model
+
+    monkeypatch.setattr("loragate.gateway.engine_backend.is_cpu_build", lambda python: True)
+    settings = Settings(
+        model=str(write_fake_model(tmp_path / "model")), cache_dir=tmp_path / "cache",
+        distributed_executor_backend="ray", tool_call_parser="none", cpu_lora_ops=False,
+        engine_args=["--kv-cache-memory-bytes", "1073741824"],
+    )  # fmt: skip
+    backend = SupervisedEngineBackend(settings)
+
+    async def no_engine() -> None:
+        raise AssertionError("the engine was started despite the refusal")
+
+    monkeypatch.setattr(backend.supervisor, "start", no_engine)
+    await backend._bootstrap()
+    healthy, body = backend.health()
+    assert not healthy
+    assert body["status"] == "failed"
+    assert "vLLM's CPU build cannot run --distributed-executor-backend ray" in body["reason"]
