@@ -85,6 +85,13 @@ class LogLevel(enum.StrEnum):
     critical = "critical"
 
 
+class ExecutorBackendChoice(enum.StrEnum):
+    mp = "mp"
+    ray = "ray"
+    uni = "uni"
+    external_launcher = "external_launcher"
+
+
 class _ServeCommand(TyperCommand):
     """``gateway serve``: its own options before ``--``, the engine's after it.
 
@@ -150,6 +157,38 @@ def serve(
         int | None, typer.Option(help="Largest adapter rank [default: 16].")
     ] = None,
     max_cpu_loras: Annotated[int | None, typer.Option(help="Engine-side adapter LRU size.")] = None,
+    tensor_parallel_size: Annotated[
+        int | None,
+        typer.Option(
+            "--tensor-parallel-size",
+            "-tp",
+            help="Split the model over this many GPUs (vLLM's; also accepted after `--`).",
+        ),
+    ] = None,
+    pipeline_parallel_size: Annotated[
+        int | None,
+        typer.Option(
+            "--pipeline-parallel-size",
+            "-pp",
+            help="Pipeline stages, one GPU group each (vLLM's; also accepted after `--`).",
+        ),
+    ] = None,
+    data_parallel_size: Annotated[
+        int | None,
+        typer.Option(
+            "--data-parallel-size",
+            "-dp",
+            help="Model replicas (vLLM's; also accepted after `--`).",
+        ),
+    ] = None,
+    distributed_executor_backend: Annotated[
+        ExecutorBackendChoice | None,
+        typer.Option(
+            "--distributed-executor-backend",
+            help="How vLLM runs its workers: mp (this machine) or ray (needs ray in the engine's "
+            "Python) [default: vLLM's choice].",
+        ),
+    ] = None,
     tool_call_parser: Annotated[
         str | None,
         typer.Option(
@@ -268,6 +307,12 @@ def serve(
         "max_loras": max_loras,
         "max_lora_rank": max_lora_rank,
         "max_cpu_loras": max_cpu_loras,
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "data_parallel_size": data_parallel_size,
+        "distributed_executor_backend": (
+            distributed_executor_backend.value if distributed_executor_backend else None
+        ),
         "tool_call_parser": tool_call_parser,
         "cache_dir": cache_dir,
         "api_key": api_key or None,
@@ -322,6 +367,7 @@ def serve(
             host=settings.host,
             port=settings.port,
             cache_dir=settings.cache_dir.expanduser(),
+            parallel=settings.parallel,
         )
         if problems:
             _fail("cannot start:\n  - " + "\n  - ".join(str(p) for p in problems))

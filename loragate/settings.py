@@ -22,7 +22,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from loragate.engine_flags import check_engine_args
+from loragate.engine_flags import ParallelLayout, check_engine_args, parallel_layout
 from loragate.model_names import (
     DEMO_MODEL_NAME,
     SMOLLM_DEMO_MODEL_NAME,
@@ -36,6 +36,7 @@ _file_values: contextvars.ContextVar[dict[str, Any] | None] = contextvars.Contex
 )
 
 BaseRouting = Literal["auto", "zero-adapter", "direct"]
+ExecutorBackend = Literal["mp", "ray", "uni", "external_launcher"]  # vLLM's, config/parallel.py
 
 
 class Settings(BaseSettings):
@@ -104,6 +105,24 @@ class Settings(BaseSettings):
             "vLLM's tool-call parser (passed with --enable-auto-tool-choice; vLLM 0.32 wants both "
             "for any tool_choice). Default: the model family's parser when its chat template "
             "renders tools, else 'pythonic' (named tool_choice works on any model); 'none': off."
+        ),
+    )
+    # Parallelism: vLLM's options under vLLM's names. Also accepted after `--`; the preflight
+    # reads them either way (``parallel``) and refuses one given both ways, differently.
+    tensor_parallel_size: int | None = Field(
+        default=None, ge=1, description="GPUs each model replica is split over (vLLM's -tp)."
+    )
+    pipeline_parallel_size: int | None = Field(
+        default=None, ge=1, description="Pipeline stages, one GPU (group) each (vLLM's -pp)."
+    )
+    data_parallel_size: int | None = Field(
+        default=None, ge=1, description="Model replicas (vLLM's -dp)."
+    )
+    distributed_executor_backend: ExecutorBackend | None = Field(
+        default=None,
+        description=(
+            "How vLLM runs its workers: 'mp' (processes on this machine) or 'ray' (a Ray "
+            "cluster; needs ray in the engine's Python). Default: vLLM's choice."
         ),
     )
     engine_args: list[str] = Field(
@@ -253,6 +272,25 @@ class Settings(BaseSettings):
                 f"upstream_url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {value!r}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _parallelism_given_once(self) -> Settings:
+        parallel_layout(self.engine_args, self.parallel_options())  # ValueError on a conflict
+        return self
+
+    @property
+    def parallel(self) -> ParallelLayout:
+        """The parallel layout, from the options and the engine arguments after `--`."""
+        return parallel_layout(self.engine_args, self.parallel_options())
+
+    def parallel_options(self) -> dict[str, int | str | None]:
+        """The parallelism options given before `--`, by vLLM flag name."""
+        return {
+            "--tensor-parallel-size": self.tensor_parallel_size,
+            "--pipeline-parallel-size": self.pipeline_parallel_size,
+            "--data-parallel-size": self.data_parallel_size,
+            "--distributed-executor-backend": self.distributed_executor_backend,
+        }
 
     @classmethod
     def settings_customise_sources(

@@ -47,11 +47,12 @@ from loragate.gateway.resend import ResendBudget
 from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.settings import Settings
 from loragate.supervisor.cpu_lora_plugin import SWITCH, plugin_problem
-from loragate.supervisor.cpu_memory import plan_kv_cache, user_sized
+from loragate.supervisor.cpu_memory import dtype_bytes, plan_kv_cache, user_sized
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable, SupervisorTimings
 from loragate.supervisor.engine_client import EngineClient
 from loragate.supervisor.engine_command import EngineSpec, is_cpu_build
 from loragate.supervisor.pidfile import GatewayLock
+from loragate.supervisor.preflight import PreflightError, check_parallel_boot
 from loragate.supervisor.sd_notify import SystemdNotifier, watchdog_loop
 from loragate.supervisor.states import EngineState
 from loragate.supervisor.tool_parsers import tool_engine_args
@@ -149,6 +150,11 @@ class SupervisedEngineBackend:
     async def _bootstrap(self) -> None:
         try:
             await self._prepare()
+        except PreflightError as exc:
+            self._prepare_error = str(exc)
+            log.error(self._prepare_error)
+            self._prepared.set()
+            return
         except Exception as exc:
             self._prepare_error = f"could not prepare the model and adapters: {exc}"
             log.error(self._prepare_error)
@@ -216,6 +222,17 @@ class SupervisedEngineBackend:
             log.info("engine memory: %s", self.memory_plan)
         if cpu_build:
             await asyncio.to_thread(self._choose_cpu_lora_ops)
+        layout = settings.parallel
+        if settings.engine_command is None and (layout.spread or layout.backend is not None):
+            # The command line's preflight could not see a model it had not downloaded yet.
+            await asyncio.to_thread(
+                check_parallel_boot,
+                layout,
+                engine_python=settings.engine_python,
+                model_dir=model_dir,
+                dtype_bytes=dtype_bytes(base_config, settings.engine_args),
+                cpu_build=cpu_build,
+            )
         self.zero_adapter = settings.base_routing == "zero-adapter" or (
             settings.base_routing == "auto" and cpu_build and not self.cpu_lora_ops
         )
@@ -297,6 +314,10 @@ class SupervisedEngineBackend:
             max_loras=settings.max_loras + (1 if self.zero_adapter else 0),
             max_lora_rank=settings.max_lora_rank,
             max_cpu_loras=settings.max_cpu_loras,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            pipeline_parallel_size=settings.pipeline_parallel_size,
+            data_parallel_size=settings.data_parallel_size,
+            distributed_executor_backend=settings.distributed_executor_backend,
             lora_modules=self.manager.boot_modules(),
             extra_args=self._extra_engine_args + ENGINE_MEDIA_ARGS + list(settings.engine_args),
             python=settings.engine_python,

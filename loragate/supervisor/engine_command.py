@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loragate.engine_flags import PARALLEL_OPTIONS, engine_arg_value
+
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
 # The gateway's own settings and credentials are none of the engine's business (its admin key
 # would let any code in the engine drive the gateway). Bench tools that wrap the engine pass
@@ -29,6 +31,12 @@ class EngineSpec:
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int | None = None
+    # vLLM's parallelism options (None: vLLM's default); each left out when ``extra_args``
+    # give it too (the settings made sure both say the same).
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+    distributed_executor_backend: str | None = None
     lora_modules: dict[str, Path] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     python: str = sys.executable
@@ -50,6 +58,7 @@ def engine_argv(spec: EngineSpec) -> list[str]:
     ]  # fmt: skip
     if spec.max_cpu_loras is not None:
         argv += ["--max-cpu-loras", str(max(spec.max_cpu_loras, spec.max_loras))]
+    argv += _parallel_args(spec)
     if spec.lora_modules:
         argv.append("--lora-modules")
         argv += [
@@ -57,6 +66,23 @@ def engine_argv(spec: EngineSpec) -> list[str]:
             for name, path in spec.lora_modules.items()
         ]
     return argv + list(spec.extra_args)
+
+
+def _parallel_args(spec: EngineSpec) -> list[str]:
+    options = {
+        "--tensor-parallel-size": spec.tensor_parallel_size,
+        "--pipeline-parallel-size": spec.pipeline_parallel_size,
+        "--data-parallel-size": spec.data_parallel_size,
+        "--distributed-executor-backend": spec.distributed_executor_backend,
+    }
+    args: list[str] = []
+    for flag, value in options.items():
+        if (
+            value is not None
+            and engine_arg_value(spec.extra_args, flag, PARALLEL_OPTIONS[flag]) is None
+        ):
+            args += [flag, str(value)]
+    return args
 
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:

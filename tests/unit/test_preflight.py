@@ -84,7 +84,10 @@ def fake_nvidia_smi(directory: Path, monkeypatch: pytest.MonkeyPatch, script: st
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
-TWO_GPUS = "echo '0, GPU-aaaa-1111, 1000'\necho '1, GPU-bbbb-2222, 3000'\n"
+TWO_GPUS = (
+    "echo '0, GPU-aaaa-1111, NVIDIA L4, 23034, 1000'\n"
+    "echo '1, GPU-bbbb-2222, NVIDIA A10G, 23028, 3000'\n"
+)
 
 
 def sparse_model(model_dir: Path, size: int, name: str = "model.safetensors") -> Path:
@@ -316,7 +319,8 @@ def test_model_larger_than_free_gpu_memory_suggests_tensor_parallelism(
     fake_nvidia_smi(tmp_path / "bin", monkeypatch, TWO_GPUS)
     model_dir = sparse_model(tmp_path / "model", 8 * GiB)
     [message] = messages(preflight(tmp_path, model_dir=model_dir, device="gpu"), "memory")
-    assert "but only 3.9 GiB of free GPU memory is left" in message
+    # One GPU serves a model without tensor parallelism: the first, not the sum of both.
+    assert "but only 1000 MiB of free GPU memory is left on GPU 0 (NVIDIA L4)" in message
     assert "--tensor-parallel-size" in message
 
 

@@ -11,7 +11,11 @@ sits in front of it.
 
 For the supervisor's tests of stubborn engines: ``--ignore-sigterm`` makes it ignore SIGTERM,
 and ``--child`` starts a child process that ignores SIGTERM and renames itself (as vLLM's
-EngineCore does, with setproctitle).
+EngineCore does, with setproctitle). ``--detached-child=PATH`` starts what Ray's local cluster
+looks like from outside: a daemon that leaves the engine's session (``os.setsid()``, as
+Ray's driver leaves its group with ``os.setpgrp()``) and starts a worker that ignores
+SIGTERM and carries none of the engine's environment tags, then exits, orphaning the worker;
+the worker writes its pid to PATH.
 """
 
 from __future__ import annotations
@@ -261,6 +265,27 @@ async def serve(listen: Listen, state: FakeEngine, ignore_sigterm: bool = False)
         await stop.wait()
 
 
+_DETACHED_WORKER = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(sys.argv[1] + ".tmp", "w") as file:
+    file.write(str(os.getpid()))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(3600)
+"""
+_DETACHED_DAEMON = """
+import os, subprocess, sys
+os.setsid()
+env = {k: v for k, v in os.environ.items() if not k.startswith("LORAGATE_")}
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], env=env)
+"""
+
+
+def start_detached_worker(pid_file: str) -> None:
+    """A daemon in a session of its own that leaves an orphaned worker behind (see above)."""
+    subprocess.Popen([sys.executable, "-c", _DETACHED_DAEMON, _DETACHED_WORKER, pid_file])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     listen, state = parse_args(args)
@@ -275,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"
         )
         subprocess.Popen([sys.executable, "-c", stubborn])
+    detached = [arg.partition("=")[2] for arg in args if arg.startswith("--detached-child=")]
+    if detached:
+        start_detached_worker(detached[0])
     try:
         import uvloop
     except ImportError:
