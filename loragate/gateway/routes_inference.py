@@ -121,7 +121,32 @@ async def _forward(
     if observation is not None:
         observation.model = model
         observation.stream = stream
-    return await gateway.backend.forward(path, payload, model, stream, request_id)
+    response = await gateway.backend.forward(path, payload, model, stream, request_id)
+    if response.status_code == 404:
+        return _explain_pooling_engine(response, path)
+    return response
+
+
+_GENERATION_HINT = (
+    "vLLM serves {path} only for a generation model; this gateway's engine runs a pooling "
+    "model (an embedding, scoring or reward model: engine flag --runner pooling). Use "
+    "/v1/embeddings, /pooling, /v1/score, /v1/rerank or /classify, or serve a generation model."
+)
+_BARE_NOT_FOUND = (b'{"detail":"Not Found"}', b'{"detail": "Not Found"}')
+
+
+def _explain_pooling_engine(response: Response, path: str) -> Response:
+    """The engine's bare "Not Found" for a generation route (it runs a pooling model), as an
+    OpenAI-shaped error that says why and what to use."""
+    if bytes(getattr(response, "body", b"") or b"").strip() not in _BARE_NOT_FOUND:
+        return response
+    request_id = response.headers.get("x-request-id")
+    return OpenAIError(
+        404,
+        _GENERATION_HINT.format(path=path),
+        code="route_not_served",
+        headers={"X-Request-ID": request_id} if request_id else None,
+    ).response()
 
 
 Endpoint = Callable[[Gateway, str, dict[str, Any]], Awaitable[Response]]

@@ -347,3 +347,20 @@ def test_every_version_of_an_adapter_is_renamed_to_its_public_name() -> None:
     data = b'{"model":"fox@00112233aabb","x":{"model":"__base__@0123456789ab"}}'
     assert rename.model_field(data) == b'{"model":"fox","x":{"model":"demo"}}'
     assert rename.everywhere(b"no such model fox@00112233aabb.") == b"no such model fox."
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_generation_on_a_pooling_engine_says_why(
+    gateway: httpx.Client, seen: list[Seen], path: str
+) -> None:
+    """vLLM answers a bare Not Found for generation routes when it runs a pooling model."""
+    body: dict[str, Any] = {"model": "demo", "max_tokens": 4}
+    body |= (
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    )
+    answer = gateway.post(path, json=body)
+    assert answer.status_code == 404
+    error = answer.json()["error"]
+    assert error["code"] == "route_not_served"
+    assert "pooling model" in error["message"] and "/v1/embeddings" in error["message"]
+    assert seen[-1].path == path  # the engine was asked, and said Not Found
