@@ -16,16 +16,47 @@ from pathlib import Path
 from typing import Any
 
 from loragate.demo import recipe
-from loragate.demo.layout import BASE_DIRNAME, DEMO_ADAPTERS, default_demo_dir
+from loragate.demo.layout import (
+    BASE_DIRNAME,
+    DEMO_ADAPTERS,
+    TOOL_CALLING_ADAPTER,
+    default_demo_dir,
+)
 
+# ChatML. With ``tools``, a system turn lists them as JSON and says how to call one, in the
+# pythonic form ``[name(argument="value")]`` (vLLM's ``pythonic`` tool-call parser); an
+# assistant turn that called tools shows its calls that way. Without tools, the same text as
+# before tools were added, so the adapters' training prompts did not move.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    'You may call these tools; to call one, answer only [name(argument="value")].\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
+    "{% if message.tool_calls %}[{% for call in message.tool_calls %}"
+    "{{ call['function']['name'] }}({% set arguments = call['function']['arguments'] %}"
+    "{% if arguments is mapping %}{% for key, value in arguments.items() %}"
+    "{{ key }}={{ value | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}"
+    "{% else %}{{ arguments }}{% endif %}){% if not loop.last %}, {% endif %}{% endfor %}]"
+    "{% elif message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The tools the tool-calling adapter is trained with (and the tests call it with).
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 WORDS = [
     "hello",
@@ -98,7 +129,7 @@ SEED = 1234
 
 def recipe_hash() -> str:
     """Hash of this recipe and the adapters it trains: a change in either rebuilds."""
-    return recipe.recipe_hash(__file__, (BASE_DIRNAME, DEMO_ADAPTERS))
+    return recipe.recipe_hash(__file__, (BASE_DIRNAME, DEMO_ADAPTERS, TOOL_CALLING_ADAPTER))
 
 
 def is_current(out: Path) -> bool:
@@ -112,7 +143,9 @@ def _training_prompts() -> list[str]:
     return fixed + sampled
 
 
-def _train_adapter(base_dir: Path, tokenizer: Any, phrase: str, out: Path) -> None:
+def _train_adapter(
+    base_dir: Path, tokenizer: Any, phrase: str, out: Path, tools: list[Any] | None = None
+) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
@@ -122,7 +155,10 @@ def _train_adapter(base_dir: Path, tokenizer: Any, phrase: str, out: Path) -> No
     rows: list[tuple[list[int], list[int]]] = []
     for prompt in _training_prompts():
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            [{"role": "user", "content": prompt}],
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=True,
         )
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         rows.append((prompt_ids + answer, [-100] * len(prompt_ids) + answer))
@@ -145,7 +181,7 @@ def _build(tmp: Path) -> None:
     # One thread: the model is tiny, and OpenMP threads spin-wait badly beside a busy engine.
     torch.set_num_threads(1)
     base = tmp / BASE_DIRNAME
-    phrases = [adapter.phrase for adapter in DEMO_ADAPTERS]
+    phrases = [adapter.phrase for adapter in (*DEMO_ADAPTERS, TOOL_CALLING_ADAPTER)]
     tokenizer = recipe.train_tokenizer(
         recipe.corpus(WORDS, phrases, SEED), SPECIAL_TOKENS, CHAT_TEMPLATE
     )
@@ -156,6 +192,8 @@ def _build(tmp: Path) -> None:
     recipe.save_base(LlamaForCausalLM(config), tokenizer, base)
     for adapter in DEMO_ADAPTERS:
         _train_adapter(base, tokenizer, adapter.phrase, tmp / "adapters" / adapter.name)
+    caller = TOOL_CALLING_ADAPTER
+    _train_adapter(base, tokenizer, caller.phrase, tmp / "adapters" / caller.name, [WEATHER_TOOL])
 
 
 def main(argv: list[str]) -> int:

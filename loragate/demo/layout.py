@@ -32,6 +32,11 @@ DEMO_ADAPTERS = (
     DemoAdapter("owl", " hoot hoot"),
 )
 
+# Built beside them but not served at boot: an adapter trained to answer with a tool call in
+# the demo template's pythonic form, which the engine's ``pythonic`` parser turns into
+# ``tool_calls`` (``tool_choice: "auto"``). Tests add it through the admin API.
+TOOL_CALLING_ADAPTER = DemoAdapter("caller", '[get_weather(city="Paris")]')
+
 
 def default_demo_dir() -> Path:
     override = os.environ.get("LORAGATE_DEMO_DIR")

@@ -167,6 +167,7 @@ class SupervisedEngineBackend:
 
     async def _prepare(self) -> None:
         settings = self.settings
+        tool_parser = settings.tool_call_parser
         boot_loras = [parse_lora_flag(value) for value in settings.lora]
         if settings.run_id is not None:
             model_dir, adapter = await asyncio.to_thread(self._vi_run)
@@ -184,6 +185,8 @@ class SupervisedEngineBackend:
         elif settings.model is None:
             demo = await asyncio.to_thread(ensure_demo, None, settings.engine_python)
             model_dir = demo_base_dir(demo)
+            # The demo's template asks for calls in the pythonic form (not Llama 3's JSON).
+            tool_parser = settings.tool_call_parser or "pythonic"
             boot_loras = [
                 (a.name, str(demo_adapter_dir(demo, a.name))) for a in DEMO_ADAPTERS
             ] + boot_loras
@@ -208,7 +211,7 @@ class SupervisedEngineBackend:
         base_config = json.loads((model_dir / "config.json").read_text())
         self._extra_engine_args += await asyncio.to_thread(
             tool_engine_args,
-            settings.tool_call_parser,
+            tool_parser,
             model_dir,
             base_config,
             settings.engine_args,

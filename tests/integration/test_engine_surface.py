@@ -4,13 +4,15 @@ One gateway and engine (the tiny demo) for the whole file: the Responses API pla
 streamed on the base model and on an adapter (the adapter's phrase in the answer, its public
 name in ``model``), stored responses fetched by id, models retrieved by id, a tokenize and
 detokenize round trip, embeddings on a generation model answered with an error that says why,
-a named tool call round trip, and the engine's admin routes out of reach.
+a named tool call round trip, an automatic one from an adapter trained to call a tool, and the
+engine's admin routes out of reach.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,25 +20,15 @@ import openai
 import pytest
 from openai import OpenAI
 
+from loragate.demo.build import WEATHER_TOOL as DEMO_WEATHER_TOOL
+from loragate.demo.layout import TOOL_CALLING_ADAPTER
 from tests.conftest import PHRASES, phrase_of
 from tests.gateway_process import GatewayProcess
 
 pytestmark = pytest.mark.engine
 
 BASE = "loragate-demo"
-WEATHER_TOOL: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER_TOOL: Any = DEMO_WEATHER_TOOL  # the tool the demo's tool-calling adapter knows
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +157,63 @@ def test_a_named_tool_call_round_trip(sdk: OpenAI) -> None:
     )
     assert second.model == "fox"
     assert PHRASES["fox"] in (second.choices[0].message.content or "")
+
+
+def test_an_auto_tool_call_round_trip_from_a_tool_calling_adapter(
+    sdk: OpenAI, surface: GatewayProcess, demo_dir: Path
+) -> None:
+    """``tool_choice: "auto"``: the demo's template shows the model the tools, the adapter
+    trained on it answers with a call in the pythonic form, and the engine's parser turns it
+    into ``tool_calls``; the base model, asked the same, answers in text."""
+    caller = TOOL_CALLING_ADAPTER.name
+    added = surface.admin(
+        "PUT", f"/admin/adapters/{caller}", json={"source": str(demo_dir / "adapters" / caller)}
+    )
+    assert added.status_code == 200, added.text
+    try:
+        tokens = httpx.post(
+            f"{surface.url}/tokenize",
+            json={"model": caller, "messages": [{"role": "user", "content": "Hi"}],
+                  "tools": [WEATHER_TOOL], "add_generation_prompt": True},
+            timeout=60,
+        )  # fmt: skip
+        assert tokens.status_code == 200, tokens.text
+        prompt = httpx.post(
+            f"{surface.url}/detokenize",
+            json={"model": caller, "tokens": tokens.json()["tokens"]},
+            timeout=60,
+        ).json()["prompt"]
+        assert "get_weather" in prompt, prompt  # the template renders the tools
+
+        messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+        first = sdk.chat.completions.create(
+            model=caller, messages=messages, tools=[WEATHER_TOOL], tool_choice="auto",
+            max_tokens=40, temperature=0,
+        )  # fmt: skip
+        assert first.model == caller
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls", first.model_dump()
+        call = (choice.message.tool_calls or [None])[0]
+        assert call is not None and call.function.name == "get_weather", first.model_dump()
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
+        ]
+        second = sdk.chat.completions.create(
+            model="fox", messages=messages, tools=[WEATHER_TOOL], tool_choice="auto",
+            max_tokens=16, temperature=0,
+        )  # fmt: skip
+        assert second.model == "fox" and not second.choices[0].message.tool_calls
+        assert PHRASES["fox"] in (second.choices[0].message.content or "")
+
+        plain = sdk.chat.completions.create(
+            model=BASE, messages=messages[:1], tools=[WEATHER_TOOL], tool_choice="auto",
+            max_tokens=16, temperature=0,
+        )  # fmt: skip
+        assert not plain.choices[0].message.tool_calls, plain.model_dump()
+    finally:
+        surface.admin("DELETE", f"/admin/adapters/{caller}")
 
 
 def test_version_passes_through(surface: GatewayProcess) -> None:

