@@ -101,6 +101,15 @@ class FleetReconciler:
             and self.manifest_error is None
         )
 
+    def summary(self) -> dict[str, Any]:
+        """What /health shows (it needs no key): revisions and convergence, no sources or
+        errors (those are in the admin API's ``report``)."""
+        return {
+            "serving_revision": self.serving_revision,
+            "latest_revision": self.latest_revision,
+            "converged": self.converged,
+        }
+
     def report(self) -> dict[str, Any]:
         return {
             "source": redact(self.source),

@@ -345,7 +345,7 @@ class SupervisedEngineBackend:
         if self.manager is None or (state == EngineState.STOPPED and not self._prepared.is_set()):
             return False, {"status": "starting", "reason": "preparing the model and adapters"}
         fleet: dict[str, Any] = (
-            {"adapters_manifest": self.fleet.report()} if self.fleet is not None else {}
+            {"adapters_manifest": self.fleet.summary()} if self.fleet is not None else {}
         )
         body: dict[str, Any] = {
             "status": str(state),
@@ -358,7 +358,9 @@ class SupervisedEngineBackend:
         if self.supervisor.serving and self.fleet is not None and not self.fleet.applied_once:
             body["status"] = "starting"
             body["reason"] = "applying the adapters manifest" + (
-                f": {self.fleet.manifest_error}" if self.fleet.manifest_error else ""
+                " (it could not be read: see GET /admin/adapters)"
+                if self.fleet.manifest_error
+                else ""
             )
             return False, body
         if self.supervisor.serving and self.manager.all_loaded:
