@@ -23,7 +23,9 @@ def gateway(
     process = GatewayProcess(
         cache_dir=tmp_path_factory.mktemp("shared-gateway"),
         args=["--allowed-media-dir", str(media_dir)],
-        env={"LORAGATE_FOLLOW_INTERVAL": "1"},
+        # The engine inherits the gateway's environment: it keeps responses, so that
+        # test_engine_surface can fetch them by id.
+        env={"LORAGATE_FOLLOW_INTERVAL": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1"},
     ).start()
     try:
         process.wait_listening()

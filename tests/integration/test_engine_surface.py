@@ -1,6 +1,6 @@
 """The engine's other OpenAI routes through the gateway, with the official SDK, on the real engine.
 
-One gateway and engine (the tiny demo) for the whole file: the Responses API plain and
+On the shared gateway and engine (the tiny demo): the Responses API plain and
 streamed on the base model and on an adapter (the adapter's phrase in the answer, its public
 name in ``model``), stored responses fetched by id, models retrieved by id, a tokenize and
 detokenize round trip, embeddings on a generation model answered with an error that says why,
@@ -11,7 +11,6 @@ engine's admin routes out of reach.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +31,10 @@ WEATHER_TOOL: Any = DEMO_WEATHER_TOOL  # the tool the demo's tool-calling adapte
 
 
 @pytest.fixture(scope="module")
-def surface(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    process = GatewayProcess(
-        cache_dir=tmp_path_factory.mktemp("engine-surface"),
-        # The engine inherits the gateway's environment: keep responses, to fetch them by id.
-        env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
-    ).start()
-    try:
-        process.wait_listening()
-        process.wait_ready(timeout=900)  # the engine boots in about 45 s, minutes on a busy machine
-        yield process
-    finally:
-        process.stop()
+def surface(gateway: GatewayProcess) -> GatewayProcess:
+    """The shared gateway (tiny demo), whose engine keeps responses
+    (``VLLM_ENABLE_RESPONSES_API_STORE=1``), so they can be fetched by id."""
+    return gateway
 
 
 @pytest.fixture(scope="module")
