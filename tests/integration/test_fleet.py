@@ -72,7 +72,8 @@ def ask(url: str, model: str, index: int) -> tuple[int, str]:
         "temperature": 0,
     }
     try:
-        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        # Generous: on a box busy with other engines a request can wait long; a hang still fails.
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
     except httpx.HTTPError as exc:
         return 0, repr(exc)
     if response.status_code != 200:
@@ -112,7 +113,7 @@ class Load:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         for thread in self._threads:
-            thread.join(150)
+            thread.join(330)
 
 
 def manifest_report(gateway: GatewayProcess) -> dict[str, Any]:
