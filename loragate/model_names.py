@@ -16,7 +16,10 @@ def is_gguf_source(model: str) -> bool:
         return model.lower().endswith(".gguf")
     if model.lower().endswith(".gguf"):
         return True
-    return Path(model).expanduser().is_file()
+    try:
+        return Path(model).expanduser().is_file()
+    except RuntimeError:  # ~user of an unknown user: not a file
+        return False
 
 
 def gguf_served_name(source: str) -> str:

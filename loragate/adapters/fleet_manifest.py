@@ -117,11 +117,11 @@ def fetch_fleet_manifest(source: str, timeout: float = 30.0) -> bytes:
         return _fetch_url(source, timeout)
     if source.startswith("hf://"):
         return _fetch_hf(source)
-    path = Path(source.removeprefix("file://")).expanduser()
     try:
+        path = Path(source.removeprefix("file://")).expanduser()
         with path.open("rb") as handle:
             data = handle.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # RuntimeError: ~user of an unknown user
         raise FleetManifestError(f"cannot read the adapters manifest {source}: {exc}") from None
     return _bounded(data, source)
 

@@ -41,7 +41,12 @@ def resolve_base_model(
     dequantized the first time by a child running ``python`` (default: this interpreter),
     into ``cache_dir/models/gguf/<sha256>/``; see ``loragate.adapters.gguf_model``.
     """
-    local = Path(model).expanduser()
+    try:
+        local = Path(model).expanduser()
+    except RuntimeError:  # ~user of an unknown user
+        raise BaseModelError(
+            f"base model {model} names the home directory of an unknown user"
+        ) from None
     if local.is_dir():
         return local.resolve()
     from loragate.adapters.gguf_model import is_gguf_source, resolve_gguf_model  # heavy: lazily

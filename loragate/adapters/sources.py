@@ -116,7 +116,12 @@ class _Limits:
 
 
 def _local_path(source: str) -> Path:
-    return Path(source.removeprefix("file://")).expanduser()
+    try:
+        return Path(source.removeprefix("file://")).expanduser()
+    except RuntimeError:  # ~user for a user that does not exist
+        raise SourceError(
+            f"adapter source {source!r} names the home directory of an unknown user"
+        ) from None
 
 
 def _fetch_local(source: str, dest: Path, limits: _Limits) -> FetchedSource:

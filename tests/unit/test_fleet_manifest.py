@@ -151,3 +151,8 @@ def test_a_manifest_owns_every_adapter_of_its_gateway(tmp_path: Path) -> None:
             cache_dir=tmp_path, adapters_manifest="a.yaml", upstream_url="http://127.0.0.1:9/v1"
         )
     assert Settings(cache_dir=tmp_path, adapters_manifest="a.yaml").adapters_manifest == "a.yaml"
+
+
+def test_a_manifest_in_an_unknown_users_home_is_a_clear_error() -> None:
+    with pytest.raises(FleetManifestError, match="cannot read the adapters manifest"):
+        fetch_fleet_manifest("~no-such-user-4e1f/adapters.yaml")

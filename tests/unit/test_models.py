@@ -134,3 +134,8 @@ def test_read_base_config_refuses_invalid_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(BaseModelError, match="not valid JSON"):
         read_base_config(tmp_path)
+
+
+def test_a_model_in_an_unknown_users_home_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(BaseModelError, match="home directory of an unknown user"):
+        resolve_base_model("~no-such-user-4e1f/model", tmp_path / "cache")

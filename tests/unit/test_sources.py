@@ -730,3 +730,9 @@ def test_hf_source_comes_from_the_users_hub_cache_unless_an_earlier_loragate_kep
     (legacy / "models--acme--old").mkdir(parents=True)
     fetch_source("hf://acme/old", tmp_path / "b", progress=False, hf_cache_dir=legacy)
     assert [call["cache_dir"] for call in fake_hub] == [None, legacy]
+
+
+def test_a_source_in_an_unknown_users_home_is_a_clear_error(tmp_path: Path) -> None:
+    """The fuzzer found ``~user`` of a user that does not exist: a 500 before."""
+    with pytest.raises(SourceError, match="home directory of an unknown user"):
+        fetch_source("~no-such-user-4e1f/adapter", tmp_path / "dest")
