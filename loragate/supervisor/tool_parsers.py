@@ -126,6 +126,22 @@ FAMILY_PARSERS = {
     "minimax_m2": "minimax_m2",
 }
 
+# Tokens a parser looks up in the tokenizer when the engine starts (vLLM 0.32 builds each
+# parser once against the tokenizer and refuses to start, "--tool-call-parser NAME cannot be
+# used with the tokenizer", when one is missing): a family's parser is picked only when the
+# model's tokenizer has them. A model of the Llama family with a tools template of its own
+# and no ``<|python_tag|>`` gets ``pythonic`` instead of ``llama3_json``.
+PARSER_TOKENS = {
+    "llama3_json": ("<|python_tag|>",),
+    "mistral": ("[TOOL_CALLS]",),
+    "jamba": ("<tool_calls>", "</tool_calls>"),
+    "deepseek_v3": (
+        "<\uff5ctool\u2581calls\u2581begin\uff5c>",
+        "<\uff5ctool\u2581calls\u2581end\uff5c>",
+    ),
+    "lfm2": ("<|tool_call_start|>", "<|tool_call_end|>"),
+}
+
 _PROBE = "import importlib.util as u; s = u.find_spec('vllm'); print(s.submodule_search_locations[0] if s else '')"
 
 
@@ -210,7 +226,37 @@ def pick_tool_parser(model_dir: Path, config: dict[str, Any]) -> tuple[str | Non
         return None, f"no known tool-call format for model type {family!r}"
     if not template_takes_tools(model_dir):
         return None, "the model's chat template does not render tools"
+    vocabulary = tokenizer_vocabulary(model_dir)
+    missing = [
+        t for t in PARSER_TOKENS.get(parser, ()) if vocabulary is not None and t not in vocabulary
+    ]
+    if missing:
+        return None, (
+            f"the tokenizer lacks {', '.join(missing)}, which vLLM's {parser!r} parser (model "
+            f"type {family!r}) needs"
+        )
     return parser, f"model type {family!r} with a chat template that renders tools"
+
+
+def tokenizer_vocabulary(model_dir: Path) -> set[str] | None:
+    """Every token of the model's ``tokenizer.json`` (vocabulary and added tokens); None when
+    there is none to read (a sentencepiece-only model: nothing is checked then)."""
+    try:
+        data = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    tokens: set[str] = set()
+    vocab = (data.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        tokens.update(vocab)
+    elif isinstance(vocab, list):  # unigram: [[piece, score], ...]
+        tokens.update(str(item[0]) for item in vocab if isinstance(item, list) and item)
+    for added in data.get("added_tokens") or []:
+        if isinstance(added, dict) and "content" in added:
+            tokens.add(str(added["content"]))
+    return tokens
 
 
 def tool_engine_args(

@@ -14,11 +14,13 @@ from loragate.cli import app as cli_app
 from loragate.supervisor.tool_parsers import (
     FALLBACK_PARSER,
     FAMILY_PARSERS,
+    PARSER_TOKENS,
     VLLM_032_TOOL_PARSERS,
     ToolParserError,
     _registered_names,
     check_tool_parser,
     pick_tool_parser,
+    tokenizer_vocabulary,
     tool_engine_args,
 )
 from tests.backend_double import free_port
@@ -106,3 +108,36 @@ def test_serve_refuses_an_unknown_parser_before_starting(
     )
     assert result.exit_code == 2
     assert "llama3_json" in result.output
+
+
+def test_a_family_parser_whose_tokens_the_tokenizer_lacks_is_not_picked(tmp_path: Path) -> None:
+    """A Llama-family model with a tools template of its own (like the tiny demo's) and no
+    ``<|python_tag|>``: vLLM would refuse to start with llama3_json, so pythonic it is."""
+    directory, config = model_dir(tmp_path, "llama", TOOLS_TEMPLATE)
+    tokenizer = {"model": {"vocab": {"a": 0}}, "added_tokens": [{"content": "<|im_end|>"}]}
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    parser, why = pick_tool_parser(directory, config)
+    assert parser is None and "<|python_tag|>" in why
+    tokenizer["added_tokens"].append({"content": "<|python_tag|>"})  # type: ignore[attr-defined]
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert pick_tool_parser(directory, config)[0] == "llama3_json"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_the_token_table_is_what_vllms_parsers_need(demo_dir: Path) -> None:
+    """Built against a tokenizer with none of their special tokens (the tiny demo's), exactly
+    the family parsers listed in PARSER_TOKENS refuse, as vLLM does when the engine starts."""
+    from transformers import AutoTokenizer
+    from vllm.tool_parsers import ToolParserManager
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir / "base")
+    vocabulary = tokenizer_vocabulary(demo_dir / "base")
+    assert vocabulary is not None and "<|im_end|>" in vocabulary
+    refused = set()
+    for name in sorted(set(FAMILY_PARSERS.values())):
+        try:
+            ToolParserManager.get_tool_parser(name)(tokenizer)
+        except Exception:
+            refused.add(name)
+    assert refused == set(PARSER_TOKENS) & set(FAMILY_PARSERS.values())
+    assert pick_tool_parser(demo_dir / "base", {"model_type": "llama"})[0] is None
