@@ -11,6 +11,7 @@ import functools
 import hashlib
 import http.server
 import json
+import os
 import shutil
 import threading
 import time
@@ -87,6 +88,7 @@ class Load:
     def __init__(self, urls: list[str], per_gateway: int = 2) -> None:
         self.failures: list[str] = []
         self.answers: Counter[tuple[str, str]] = Counter()
+        self.latencies: list[tuple[str, str, float, float]] = []  # url, model, sent, seconds
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, args=(url, i), daemon=True)
@@ -99,7 +101,9 @@ class Load:
         while not self._stop.is_set():
             index += 1
             model = NAME if index % 2 else BASE
+            sent = time.monotonic()
             status, text = ask(url, model, index)
+            self.latencies.append((url, model, sent, time.monotonic() - sent))
             if status != 200:
                 self.failures.append(f"{url} {model}: {status} {text[:200]}")
             elif model == NAME:
@@ -141,6 +145,16 @@ def wait_report(
     return time.monotonic() - started
 
 
+def own_cores(index: int) -> dict[str, str]:
+    """Each replica's engine on its own core, as docs/scaling.md tells users on a CPU box:
+    vLLM's automatic binding pins every engine's worker to the same core, and a busy engine
+    then starves the other (seen here: 0.2 tokens/s on one replica, hundreds on the other)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[index % len(cpus)])}
+
+
 @pytest.fixture(scope="module")
 def fleet(
     demo_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -152,7 +166,7 @@ def fleet(
             GatewayProcess(
                 cache_dir=tmp_path_factory.mktemp(f"fleet-{i}"),
                 args=["--adapters-manifest", server.url],
-                env={"LORAGATE_FOLLOW_INTERVAL": str(INTERVAL)},
+                env={"LORAGATE_FOLLOW_INTERVAL": str(INTERVAL), **own_cores(i)},
             ).start()
             for i in range(2)
         ]
@@ -229,6 +243,11 @@ def test_a_new_version_reaches_both_under_load_and_a_broken_one_neither(
                 break
             time.sleep(0.2)
         time.sleep(2 * INTERVAL)  # the broken version is not retried, and fox keeps serving
+    for gateway in gateways:
+        took_each = [s for url, _, _, s in load.latencies if url == gateway.url]
+        print(
+            f"{gateway.url}: {len(took_each)} requests under load, slowest {max(took_each):.1f} s"
+        )
     print(
         f"\nboth replicas fetched the new manifest {seen:.1f} s after it was written and served "
         f"it after {took:.1f} s (follow interval {INTERVAL} s)"
