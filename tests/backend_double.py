@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -17,11 +19,15 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from loragate.adapters.progress import ProgressBoard
+from loragate.adapters.stats import AdapterStats
 from loragate.gateway.app import create_app
 from loragate.gateway.engine_backend import SupervisedEngineBackend
+from loragate.gateway.engine_metrics import scrape_engine_metrics
 from loragate.gateway.proxy import ProxyClient
 from loragate.gateway.server_options import server_options
 from loragate.settings import Settings
+from loragate.supervisor.snapshot import EngineSnapshot
+from loragate.supervisor.states import EngineState
 
 
 @dataclass
@@ -88,19 +94,56 @@ class AdapterManagerDouble:
         return {"name": name, "version": "0" * 64, "state": "serving"}
 
 
+def engine_snapshot(**values: Any) -> EngineSnapshot:
+    """A ready engine's snapshot, with ``values`` changed."""
+    ready = EngineSnapshot(
+        state=EngineState.READY,
+        reason="engine answers /health",
+        since=0.0,
+        boot_progress=None,
+        pid=None,
+        launcher_pid=None,
+        uptime_s=None,
+        restarts=0,
+        last_exit=None,
+        last_exit_at=None,
+        waiting_requests=0,
+        log_file=Path("/nonexistent/engine.log"),
+    )
+    return dataclasses.replace(ready, **values)
+
+
+def adapter_stats(**values: Any) -> AdapterStats:
+    """An adapter manager's counters, all zero but ``values``."""
+    zero = AdapterStats(
+        loads=0,
+        swaps=0,
+        load_failures=0,
+        unloads=0,
+        store_repairs=0,
+        last_load_seconds=None,
+        served=0,
+        store_bytes=0,
+        store_evictions=0,
+    )
+    return dataclasses.replace(zero, **values)
+
+
 class EngineSupervisorDouble:
     """The supervisor as the admin routes and /metrics see it: ready, never restarted."""
 
-    state = "ready"
-    restarts = 0
-    waiting = 0
     serving = False  # so /metrics does not scrape an engine
+    endpoint = None
 
     def __init__(self) -> None:
         self.restart_requests = 0
+        self.log_path = Path("/nonexistent/engine.log")
+
+    def snapshot(self) -> EngineSnapshot:
+        return engine_snapshot(log_file=self.log_path)
 
     def info(self) -> dict[str, Any]:
-        return {"state": self.state, "pid": None, "restarts": self.restarts}
+        return self.snapshot().as_dict()
 
     async def restart(self) -> None:
         self.restart_requests += 1
@@ -143,13 +186,34 @@ class ProxiedBackend:
     """A GatewayBackend that sends requests to a fake engine through the real ProxyClient."""
 
     def __init__(
-        self, base_url: str, models: list[str], supervisor: Any = None, manager: Any = None
+        self,
+        base_url: str,
+        models: list[str],
+        engine: EngineSnapshot | None = None,
+        adapters: AdapterStats | None = None,
+        engine_url: str | None = None,
     ) -> None:
+        """``engine`` and ``adapters``: what it reports, as the supervised backend does, with
+        the engine's own /metrics scraped from ``engine_url`` while ``engine`` serves."""
         self.base_url = base_url
         self.models = models
-        self.supervisor = supervisor
-        self.manager = manager
+        self.engine = engine
+        self.adapters = adapters
+        self.engine_url = engine_url
+        self.rename_engine_ids: Callable[[bytes], bytes] | None = None
         self.proxy = ProxyClient()
+
+    def engine_snapshot(self) -> EngineSnapshot | None:
+        return self.engine
+
+    async def adapter_stats(self) -> AdapterStats | None:
+        return self.adapters
+
+    async def engine_metrics(self) -> bytes | None:
+        if self.engine is None or not self.engine.serving or self.engine_url is None:
+            return None
+        address = SimpleNamespace(base_url=self.engine_url, headers={}, uds=None)
+        return await scrape_engine_metrics(address, self.rename_engine_ids)
 
     async def start(self) -> None:
         pass

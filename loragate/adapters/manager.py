@@ -29,6 +29,7 @@ from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
 from loragate.adapters.progress import ProgressBoard, report_stage
 from loragate.adapters.routing import RoutingTable
+from loragate.adapters.stats import AdapterStats
 from loragate.adapters.store import AdapterStore, StoredAdapter, TamperedAdapterError
 from loragate.adapters.store_watch import StoreWatch
 from loragate.adapters.zero_adapter import write_zero_adapter
@@ -118,6 +119,29 @@ class AdapterManager:
             self._public = (self.base_name, *sorted(n for n in names if n != self.base_name))
             self._public_for = names
         return list(self._public)
+
+    def stats(self, store_bytes: int | None) -> AdapterStats:
+        """The counters now; ``store_bytes`` from ``store_size`` (which reads the disk)."""
+        count = self.counters
+        return AdapterStats(
+            loads=count["loads"],
+            swaps=count["swaps"],
+            load_failures=count["load_failures"],
+            unloads=count["unloads"],
+            store_repairs=count["store_repairs"],
+            last_load_seconds=self.last_load_seconds,
+            served=max(0, len(self.public_models()) - 1),
+            store_bytes=store_bytes,
+            store_evictions=self.store.evictions,
+        )
+
+    def store_size(self) -> int | None:
+        """Bytes the store holds (reads each version's metadata: call it off the loop)."""
+        try:
+            return self.store.total_bytes()
+        except OSError as exc:
+            log.warning("could not size the adapter store: %s", exc)
+            return None
 
     def acquire(self, public: str) -> str | None:
         """The engine id serving ``public`` now, leased until ``release``; None if unknown."""

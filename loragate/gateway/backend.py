@@ -8,6 +8,9 @@ from typing import Any, Protocol
 
 from starlette.responses import Response
 
+from loragate.adapters.stats import AdapterStats
+from loragate.supervisor.snapshot import EngineSnapshot
+
 
 class GatewayBackend(Protocol):
     """The routes' view of a backend: the supervised engine, an upstream URL, or a custom one."""
@@ -52,3 +55,34 @@ class RelayingBackend(GatewayBackend, Protocol):
     """A backend that can also send the engine's other allow-listed routes (GET, uploads)."""
 
     async def relay(self, call: EngineCall) -> Response: ...
+
+
+class ObservableBackend(GatewayBackend, Protocol):
+    """A backend that reports on the engine and adapters it runs (the supervised one), in
+    frozen values: the metrics, status and admin routes never read its parts."""
+
+    def engine_snapshot(self) -> EngineSnapshot: ...
+
+    async def adapter_stats(self) -> AdapterStats | None:
+        """None until the adapters are set up."""
+        ...
+
+    async def engine_metrics(self) -> bytes | None:
+        """The engine's own /metrics text with public model names, or None."""
+        ...
+
+
+def engine_snapshot_of(backend: GatewayBackend) -> EngineSnapshot | None:
+    """The engine's snapshot when ``backend`` runs one (None for upstream and custom ones)."""
+    snapshot = getattr(backend, "engine_snapshot", None)
+    return snapshot() if callable(snapshot) else None
+
+
+async def adapter_stats_of(backend: GatewayBackend) -> AdapterStats | None:
+    stats = getattr(backend, "adapter_stats", None)
+    return await stats() if callable(stats) else None
+
+
+async def engine_metrics_of(backend: GatewayBackend) -> bytes | None:
+    engine_metrics = getattr(backend, "engine_metrics", None)
+    return await engine_metrics() if callable(engine_metrics) else None

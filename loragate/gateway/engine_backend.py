@@ -12,9 +12,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,59 +26,28 @@ from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.manifest import Manifest
 from loragate.adapters.pipeline import AdapterPipeline
 from loragate.adapters.slots import AdapterSlots
+from loragate.adapters.stats import AdapterStats
 from loragate.adapters.store import AdapterStore
-from loragate.demo.layout import (
-    DEMO_ADAPTERS,
-    SMOLLM_ADAPTERS,
-    SMOLLM_ENGINE_ARGS,
-    demo_adapter_dir,
-    demo_base_dir,
-    ensure_demo,
-    ensure_smollm_demo,
-)
 from loragate.gateway.backend import EngineCall
+from loragate.gateway.engine_metrics import scrape_engine_metrics
 from loragate.gateway.engine_names import AnyVersionRename
-from loragate.gateway.errors import OpenAIError
+from loragate.gateway.engine_plan import plan_engine, timings_from
+from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.media import ENGINE_MEDIA_ARGS, engine_media_env
 from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable
 from loragate.gateway.resend import ResendBudget
 from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.settings import Settings
-from loragate.supervisor.cpu_lora_plugin import SWITCH, plugin_problem
-from loragate.supervisor.cpu_memory import dtype_bytes, plan_kv_cache, user_sized
-from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable, SupervisorTimings
+from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 from loragate.supervisor.engine_client import EngineClient
-from loragate.supervisor.engine_command import EngineSpec, is_cpu_build
+from loragate.supervisor.engine_command import EngineSpec
 from loragate.supervisor.pidfile import GatewayLock
-from loragate.supervisor.preflight import PreflightError, check_parallel_boot
+from loragate.supervisor.preflight import PreflightError
 from loragate.supervisor.sd_notify import SystemdNotifier, watchdog_loop
+from loragate.supervisor.snapshot import EngineSnapshot
 from loragate.supervisor.states import EngineState
-from loragate.supervisor.tool_parsers import tool_engine_args
 
 log = logging.getLogger("loragate.gateway")
-
-
-def timings_from(settings: Settings) -> SupervisorTimings:
-    return SupervisorTimings(
-        startup_timeout=settings.startup_timeout,
-        probe_interval=settings.probe_interval,
-        probe_timeout=settings.probe_timeout,
-        probe_failures=settings.probe_failures,
-        deep_probe=settings.deep_probe,
-        restart_backoff=settings.restart_backoff,
-        restart_backoff_max=settings.restart_backoff_max,
-        crash_loop_limit=settings.crash_loop_limit,
-        crash_loop_window=settings.crash_loop_window,
-        stable_after=settings.stable_after,
-        stop_timeout=settings.stop_timeout,
-    )
-
-
-def parse_lora_flag(value: str) -> tuple[str, str]:
-    name, sep, source = value.partition("=")
-    if not sep or not name or not source:
-        raise ValueError(f"--lora expects NAME=SOURCE, got {value!r}")
-    return name.strip(), source.strip()
 
 
 class SupervisedEngineBackend:
@@ -167,77 +134,14 @@ class SupervisedEngineBackend:
 
     async def _prepare(self) -> None:
         settings = self.settings
-        tool_parser = settings.tool_call_parser
-        boot_loras = [parse_lora_flag(value) for value in settings.lora]
-        if settings.run_id is not None:
-            model_dir, adapter = await asyncio.to_thread(self._vi_run)
-            if adapter is not None:
-                boot_loras.insert(0, (settings.run_id, str(adapter)))
-        elif settings.model is None and settings.demo == "smollm2":
-            # The real demo is served like a user's own model: a directory and its adapters.
-            demo = await asyncio.to_thread(ensure_smollm_demo, None, settings.engine_python)
-            model_dir = demo_base_dir(demo)
-            boot_loras = [
-                (a.name, str(demo_adapter_dir(demo, a.name))) for a in SMOLLM_ADAPTERS
-            ] + boot_loras
-            if not any(arg.startswith("--dtype") for arg in settings.engine_args):
-                self._extra_engine_args = list(SMOLLM_ENGINE_ARGS)
-        elif settings.model is None:
-            demo = await asyncio.to_thread(ensure_demo, None, settings.engine_python)
-            model_dir = demo_base_dir(demo)
-            # The demo's template asks for calls in the pythonic form (not Llama 3's JSON).
-            tool_parser = settings.tool_call_parser or "pythonic"
-            boot_loras = [
-                (a.name, str(demo_adapter_dir(demo, a.name))) for a in DEMO_ADAPTERS
-            ] + boot_loras
-            if not any(arg.startswith("--dtype") for arg in settings.engine_args):
-                self._extra_engine_args = ["--dtype", "float32"]
-            if not any(
-                arg.startswith("--structured-outputs-config") for arg in settings.engine_args
-            ):
-                # Under a JSON schema the random demo model would pad with whitespace forever;
-                # xgrammar takes this only at engine start (and "backend" must be named).
-                self._extra_engine_args += [
-                    "--structured-outputs-config",
-                    '{"backend": "xgrammar", "disable_any_whitespace": true}',
-                ]
-        else:
-            from loragate.adapters.models import resolve_base_model
-
-            model_dir = await asyncio.to_thread(
-                resolve_base_model, settings.model, self.cache_dir, python=settings.engine_python
-            )
-        self.model_dir = model_dir
-        base_config = json.loads((model_dir / "config.json").read_text())
-        self._extra_engine_args += await asyncio.to_thread(
-            tool_engine_args,
-            tool_parser,
-            model_dir,
-            base_config,
-            settings.engine_args,
-            settings.engine_python,
-        )
-        cpu_build = await asyncio.to_thread(is_cpu_build, settings.engine_python)
-        if cpu_build and not user_sized(settings.engine_args, dict(os.environ)):
-            plan = plan_kv_cache(model_dir, base_config, settings.engine_args)
-            self._extra_engine_args += plan.engine_args()
-            self.memory_plan = plan.describe()
-            log.info("engine memory: %s", self.memory_plan)
-        if cpu_build:
-            await asyncio.to_thread(self._choose_cpu_lora_ops)
-        layout = settings.parallel
-        if settings.engine_command is None and (layout.spread or layout.backend is not None):
-            # The command line's preflight could not see a model it had not downloaded yet.
-            await asyncio.to_thread(
-                check_parallel_boot,
-                layout,
-                engine_python=settings.engine_python,
-                model_dir=model_dir,
-                dtype_bytes=dtype_bytes(base_config, settings.engine_args),
-                cpu_build=cpu_build,
-            )
+        plan = await plan_engine(settings, self.cache_dir)
+        self.model_dir = model_dir = plan.model_dir
+        base_config = plan.base_config
+        self._extra_engine_args, self._engine_env = plan.extra_args, plan.env
+        self.memory_plan, self.cpu_lora_ops = plan.memory_plan, plan.cpu_lora_ops
+        boot_loras = plan.boot_loras
         self.zero_adapter = settings.base_routing == "zero-adapter" or (
-            settings.base_routing == "auto" and cpu_build and not self.cpu_lora_ops
+            settings.base_routing == "auto" and plan.cpu_build and not self.cpu_lora_ops
         )
         # The same CPU-build guard: never more distinct adapters in flight than engine slots.
         self.slots = AdapterSlots(settings.max_loras + 1) if self.zero_adapter else None
@@ -276,34 +180,6 @@ class SupervisedEngineBackend:
         self.manager.store_watch.start()
         if self.fleet is not None:
             self.fleet.start()
-
-    def _choose_cpu_lora_ops(self) -> None:
-        """Switch the engine plugin on when the settings ask and the engine will take it."""
-        self._engine_env[SWITCH] = "0"
-        if not self.settings.cpu_lora_ops:
-            log.info("CPU LoRA ops: vLLM's own (cpu_lora_ops is off)")
-            return
-        problem = plugin_problem(self.settings.engine_python, dict(os.environ))
-        if problem is not None:
-            log.warning("CPU LoRA ops: vLLM's own, behind loragate's guards (%s)", problem)
-            return
-        self._engine_env[SWITCH] = "1"
-        self.cpu_lora_ops = True
-        log.info("CPU LoRA ops: loragate's (index-safe, slot-grouped); base requests go plainly")
-
-    def _vi_run(self) -> tuple[Path, Path | None]:
-        """A Datature Vi run's base model and adapter, downloaded once into the cache dir."""
-        from loragate.adapters.vi_runs import download_vi_run, vi_run_layout
-
-        settings = self.settings
-        assert settings.run_id is not None
-        run_dir = self.cache_dir / "vi-runs" / settings.run_id
-        if not run_dir.is_dir():
-            run_dir = download_vi_run(
-                settings.run_id, settings.secret_key, settings.organization_id, run_dir.parent
-            )
-        full, adapter, _ = vi_run_layout(run_dir)
-        return full, adapter
 
     def _engine_spec(self, socket_path: Path, api_key: str) -> EngineSpec:
         assert self.model_dir is not None and self.manager is not None
@@ -483,6 +359,36 @@ class SupervisedEngineBackend:
         if self.slots is not None:
             self.slots.release(engine_id)
 
+    # ----- what metrics, status and admin routes read ---------------------------------------
+
+    def engine_snapshot(self) -> EngineSnapshot:
+        return self.supervisor.snapshot()
+
+    async def adapter_stats(self) -> AdapterStats | None:
+        if self.manager is None:
+            return None
+        size = await asyncio.to_thread(self.manager.store_size)
+        return self.manager.stats(store_bytes=size)
+
+    async def engine_metrics(self) -> bytes | None:
+        endpoint = self.supervisor.endpoint
+        if endpoint is None or not self.supervisor.serving:
+            return None
+        return await scrape_engine_metrics(endpoint, self.rename_engine_ids)
+
+    def engine_report(self) -> dict[str, Any]:
+        """``GET /admin/engine``: the supervision, its log tail and what loragate chose."""
+        return {
+            **self.supervisor.info(),
+            "memory": self.memory_plan,
+            "cpu_lora_ops": self.cpu_lora_ops,
+            "base_routing": "zero-adapter" if self.zero_adapter else "direct",
+        }
+
+    async def restart_engine(self) -> EngineSnapshot:
+        await self.supervisor.restart()
+        return self.supervisor.snapshot()
+
     # ----- admin ------------------------------------------------------------------------------
 
     def require_manager(self) -> AdapterManager:
@@ -495,13 +401,4 @@ def _nothing() -> None:
     pass
 
 
-def model_not_found(model: str, valid: list[str]) -> OpenAIError:
-    return OpenAIError(
-        404,
-        f"The model `{model}` does not exist. Valid models: {', '.join(valid)}",
-        code="model_not_found",
-        param="model",
-    )
-
-
-__all__ = ["AdapterError", "SupervisedEngineBackend", "model_not_found"]
+__all__ = ["AdapterError", "SupervisedEngineBackend"]

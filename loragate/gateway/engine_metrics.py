@@ -14,7 +14,9 @@ changes, so one scrape target reads as one service:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,6 +25,10 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+
+from loragate import plain_http
+
+log = logging.getLogger("loragate.gateway")
 
 _OWN_FAMILIES = (b"process_", b"python_")
 _COMPONENT = b'component="engine"'
@@ -87,3 +93,31 @@ def _with_component(sample: bytes) -> bytes:
     if space == -1:
         return sample
     return sample[:space] + b"{" + _COMPONENT + b"}" + sample[space:]
+
+
+class EngineAddress(Protocol):
+    @property
+    def base_url(self) -> str: ...
+    @property
+    def headers(self) -> dict[str, str]: ...
+    @property
+    def uds(self) -> str | None: ...
+
+
+async def scrape_engine_metrics(
+    endpoint: EngineAddress, rename: Callable[[bytes], bytes] | None
+) -> bytes | None:
+    """The engine's /metrics as the gateway's scrape shows it, or None when the engine does
+    not answer (the gateway's scrape must answer even then)."""
+    try:
+        answer = await plain_http.request(
+            "GET",
+            endpoint.base_url + "/metrics",
+            timeout=3.0,
+            headers=endpoint.headers,
+            uds=endpoint.uds,
+        )
+    except Exception as exc:
+        log.debug("metrics: the engine's /metrics did not answer: %r", exc)
+        return None
+    return relabel_engine_metrics(answer.body, rename) if answer.status == 200 else None

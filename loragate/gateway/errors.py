@@ -64,6 +64,15 @@ class OpenAIError(Exception):
         )
 
 
+def model_not_found(model: str, valid: list[str]) -> OpenAIError:
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist. Valid models: {', '.join(valid)}",
+        code="model_not_found",
+        param="model",
+    )
+
+
 def error_event(message: str, code: str, status: int = 503) -> bytes:
     """A server-sent event carrying an OpenAI-shaped error, for a stream that breaks midway."""
     body = OpenAIError(status, message, code=code).body()

@@ -10,10 +10,8 @@ families and ``loragate_build_info`` (``engine_metrics``), then the engine's own
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -24,14 +22,15 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from loragate import plain_http
-from loragate.gateway.engine_metrics import gateway_process_metrics, relabel_engine_metrics
+from loragate.adapters.stats import AdapterStats
+from loragate.gateway.backend import adapter_stats_of, engine_metrics_of, engine_snapshot_of
+from loragate.gateway.engine_metrics import gateway_process_metrics
+from loragate.supervisor.snapshot import EngineSnapshot
+from loragate.supervisor.states import EngineState
 
 if TYPE_CHECKING:
     from loragate.gateway.metrics import GatewayMetrics
     from loragate.gateway.runtime import Gateway
-
-log = logging.getLogger("loragate.gateway")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NAN = float("nan")
@@ -92,14 +91,13 @@ async def render(gateway: Gateway) -> bytes:
     """The whole scrape: the gateway's metrics, its backend's state, then the engine's own."""
     families = request_families(gateway.metrics)
     families += _process_families()
-    backend: Any = gateway.backend
-    supervisor = getattr(backend, "supervisor", None)
-    if supervisor is not None:
-        families += _engine_families(supervisor)
-    manager = getattr(backend, "manager", None)
-    if manager is not None:
-        families += await _adapter_families(manager)
-    engine_text = await _engine_metrics(supervisor)
+    engine = engine_snapshot_of(gateway.backend)
+    if engine is not None:
+        families += _engine_families(engine)
+    adapters = await adapter_stats_of(gateway.backend)
+    if adapters is not None:
+        families += _adapter_families(adapters)
+    engine_text = await engine_metrics_of(gateway.backend)
     families.append(
         _gauge(
             "loragate_engine_metrics_up",
@@ -107,10 +105,7 @@ async def render(gateway: Gateway) -> bytes:
             1 if engine_text else 0,
         )
     )
-    text = exposition(families) + gateway_process_metrics()
-    if engine_text:
-        text += relabel_engine_metrics(engine_text, getattr(backend, "rename_engine_ids", None))
-    return text
+    return exposition(families) + gateway_process_metrics() + (engine_text or b"")
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -140,27 +135,25 @@ def _process_families() -> list[Metric]:
     ]
 
 
-def _engine_families(supervisor: Any) -> list[Metric]:
-    from loragate.supervisor.states import EngineState
-
+def _engine_families(engine: EngineSnapshot) -> list[Metric]:
     state = GaugeMetricFamily(
         "loragate_engine_state",
         "The engine's life-cycle state (1 for the current one).",
         labels=["state"],
     )
     for known in EngineState:
-        state.add_metric([str(known)], 1 if known == supervisor.state else 0)
+        state.add_metric([str(known)], 1 if known == engine.state else 0)
     return [
         state,
         _counter(
             "loragate_engine_restarts",
             "Engine restarts since the gateway started.",
-            supervisor.restarts,
+            engine.restarts,
         ),
         _gauge(
             "loragate_requests_queued",
             "Requests waiting for the engine to become ready.",
-            supervisor.waiting,
+            engine.waiting_requests,
         ),
     ]
 
@@ -178,14 +171,14 @@ _ADAPTER_COUNTERS = (
 )
 
 
-async def _adapter_families(manager: Any) -> list[Metric]:
-    counters = manager.counters
-    families: list[Metric] = [
-        _counter(name, help_text, counters.get(key, 0))
-        for key, name, help_text in _ADAPTER_COUNTERS
-    ]
-    last = manager.last_load_seconds
-    families += [
+def _adapter_families(adapters: AdapterStats) -> list[Metric]:
+    last = adapters.last_load_seconds
+    size = adapters.store_bytes
+    return [
+        *(
+            _counter(name, help_text, getattr(adapters, key))
+            for key, name, help_text in _ADAPTER_COUNTERS
+        ),
         _gauge(
             "loragate_adapter_last_load_duration_seconds",
             "How long the last adapter load took.",
@@ -194,40 +187,16 @@ async def _adapter_families(manager: Any) -> list[Metric]:
         _gauge(
             "loragate_adapters_served",
             "Public adapter names served now (the base model excluded).",
-            max(0, len(manager.public_models()) - 1),
+            adapters.served,
         ),
-    ]
-    store = manager.store
-    try:
-        size: float = await asyncio.to_thread(store.total_bytes)  # reads each version's metadata
-    except OSError as exc:
-        log.warning("metrics: could not size the adapter store: %s", exc)
-        size = NAN
-    families += [
-        _gauge("loragate_adapter_store_bytes", "Bytes the adapter store holds on disk.", size),
+        _gauge(
+            "loragate_adapter_store_bytes",
+            "Bytes the adapter store holds on disk.",
+            size if size is not None else NAN,
+        ),
         _counter(
             "loragate_adapter_store_evictions",
             "Adapter versions evicted to keep the store under its cap.",
-            store.evictions,
+            adapters.store_evictions,
         ),
     ]
-    return families
-
-
-async def _engine_metrics(supervisor: Any) -> bytes | None:
-    """The engine's own /metrics text, or None when there is no engine or it does not answer."""
-    endpoint = getattr(supervisor, "endpoint", None) if supervisor is not None else None
-    if endpoint is None or not supervisor.serving:
-        return None
-    try:
-        answer = await plain_http.request(
-            "GET",
-            endpoint.base_url + "/metrics",
-            timeout=3.0,
-            headers=endpoint.headers,
-            uds=getattr(endpoint, "uds", None),
-        )
-    except Exception as exc:  # a scrape must answer even when the engine does not
-        log.debug("metrics: the engine's /metrics did not answer: %r", exc)
-        return None
-    return answer.body if answer.status == 200 else None

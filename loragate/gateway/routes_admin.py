@@ -178,22 +178,13 @@ async def unload_lora_adapter(request: Request) -> Response:
 
 @router.get("/admin/engine")
 async def engine_info(request: Request) -> dict[str, Any]:
-    backend = _engine_backend(request)
-    info = backend.supervisor.info()
-    launcher = info.get("launcher_pid")
-    return {
-        **info,
-        "rss_bytes": await asyncio.to_thread(tree_rss_bytes, launcher) if launcher else None,
-        "memory": backend.memory_plan,
-        "cpu_lora_ops": backend.cpu_lora_ops,
-        "base_routing": "zero-adapter" if backend.zero_adapter else "direct",
-    }
+    report = _engine_backend(request).engine_report()
+    launcher = report.get("launcher_pid")
+    rss = await asyncio.to_thread(tree_rss_bytes, launcher) if launcher else None
+    return {**report, "rss_bytes": rss}
 
 
 @router.post("/admin/engine/restart")
 async def engine_restart(request: Request) -> JSONResponse:
-    backend = _engine_backend(request)
-    await backend.supervisor.restart()
-    return JSONResponse(
-        {"restarting": True, "state": str(backend.supervisor.state)}, status_code=202
-    )
+    engine = await _engine_backend(request).restart_engine()
+    return JSONResponse({"restarting": True, "state": str(engine.state)}, status_code=202)

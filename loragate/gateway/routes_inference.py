@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loragate.gateway.auth import HasHeaders
-from loragate.gateway.errors import OpenAIError
+from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.metrics import current_observation, route_path
 from loragate.gateway.request_body import read_json_object
 from loragate.gateway.runtime import Gateway
@@ -74,12 +74,7 @@ def target_model(gateway: Gateway, payload: dict[str, Any]) -> str:
     if not isinstance(model, str):
         raise OpenAIError(400, "'model' must be a string", param="model", code="invalid_type")
     if model not in valid:
-        raise OpenAIError(
-            404,
-            f"The model `{model}` does not exist. Valid models: {', '.join(valid)}",
-            code="model_not_found",
-            param="model",
-        )
+        raise model_not_found(model, valid)
     return model
 
 

@@ -27,7 +27,7 @@ from starlette.responses import Response
 
 from loragate.gateway.backend import EngineCall
 from loragate.gateway.engine_routes import ENGINE_ROUTES, EngineRoute
-from loragate.gateway.errors import OpenAIError
+from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.metrics import current_observation
 from loragate.gateway.request_body import check_declared_length, read_json_object, too_large
 from loragate.gateway.responses_request import check_responses_request
@@ -48,12 +48,7 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
     admit(gateway, request)  # the same origin, host and key checks as the model list
     ids = gateway.backend.model_ids()
     if model_id not in ids:
-        raise OpenAIError(
-            404,
-            f"The model `{model_id}` does not exist. Valid models: {', '.join(ids)}",
-            code="model_not_found",
-            param="model",
-        )
+        raise model_not_found(model_id, ids)
     entry = {
         "id": model_id,
         "object": "model",

@@ -16,6 +16,7 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import StreamingResponse
 
+from loragate.gateway.backend import engine_snapshot_of
 from loragate.gateway.log_tail import engine_lines, gateway_lines, merged
 from loragate.gateway.runtime import Gateway
 
@@ -35,9 +36,8 @@ router = APIRouter()
 
 
 def _engine_log_path(gateway: Gateway) -> Path | None:
-    supervisor = getattr(gateway.backend, "supervisor", None)
-    path = getattr(supervisor, "log_path", None)
-    return path if isinstance(path, Path) else None
+    engine = engine_snapshot_of(gateway.backend)
+    return engine.log_file if engine is not None else None
 
 
 # Out of the OpenAPI schema: a followed tail never ends by itself, which schema fuzzers
@@ -91,12 +91,12 @@ async def recent_traffic(
     gateway: Gateway = request.app.state.gateway
     if not gateway.settings.metrics_public:
         gateway.check_admin_key(request, request.client.host if request.client else None)
-    supervisor = getattr(gateway.backend, "supervisor", None)
+    engine = engine_snapshot_of(gateway.backend)
     return {
         "now": time.time(),
         "window": window,
         "step": step,
         "in_flight": gateway.metrics.in_flight,
-        "queued": getattr(supervisor, "waiting", 0) if supervisor is not None else 0,
+        "queued": engine.waiting_requests if engine is not None else 0,
         "points": gateway.metrics.recent.series(window, step),
     }

@@ -35,6 +35,7 @@ from loragate.supervisor.engine_log import boot_phase, open_engine_log, tail_lin
 from loragate.supervisor.engine_socket import EngineSocket, EngineSocketError
 from loragate.supervisor.pidfile import EnginePidFile
 from loragate.supervisor.process_tree import ENGINE_TAG, kill_boot, kill_tree_now, stop_tree
+from loragate.supervisor.snapshot import EngineSnapshot
 from loragate.supervisor.states import (
     RECOVERING,
     SERVING,
@@ -353,25 +354,27 @@ class EngineSupervisor:
         finally:
             self.waiting -= 1
 
-    def info(self, log_lines: int = 40) -> dict[str, Any]:
-        now = time.time()
-        return {
-            "state": str(self.state),
-            "reason": self.reason,
-            "boot_progress": self.boot_progress,
-            "since": self.state_since,
-            "pid": self.engine_pid,
-            "launcher_pid": self.launcher_pid,
-            "uptime_s": round(now - self._spawned_at, 1)
+    def snapshot(self) -> EngineSnapshot:
+        """The supervision as it is now, as one frozen value (what routes and metrics read)."""
+        return EngineSnapshot(
+            state=self.state,
+            reason=self.reason,
+            since=self.state_since,
+            boot_progress=self.boot_progress,
+            pid=self.engine_pid,
+            launcher_pid=self.launcher_pid,
+            uptime_s=round(time.time() - self._spawned_at, 1)
             if self._spawned_at and self._proc
             else None,
-            "restarts": self.restarts,
-            "last_exit": self.last_exit.describe() if self.last_exit else None,
-            "last_exit_at": self.last_exit.at if self.last_exit else None,
-            "waiting_requests": self.waiting,
-            "log_file": str(self.log_path),
-            "log_tail": tail_lines(self.log_path, log_lines),
-        }
+            restarts=self.restarts,
+            last_exit=self.last_exit.describe() if self.last_exit else None,
+            last_exit_at=self.last_exit.at if self.last_exit else None,
+            waiting_requests=self.waiting,
+            log_file=self.log_path,
+        )
+
+    def info(self, log_lines: int = 40) -> dict[str, Any]:
+        return {**self.snapshot().as_dict(), "log_tail": tail_lines(self.log_path, log_lines)}
 
     # ----- the life cycle ----------------------------------------------------------------
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
+from loragate.adapters.stats import AdapterStats
 from loragate.gateway.app import create_app
 from loragate.gateway.metrics import (
     UNKNOWN_MODEL,
@@ -24,7 +24,7 @@ from loragate.gateway.metrics import (
 from loragate.gateway.metrics_scrape import exposition, request_families
 from loragate.settings import Settings
 from loragate.supervisor.states import EngineState
-from tests.backend_double import ProxiedBackend
+from tests.backend_double import ProxiedBackend, adapter_stats, engine_snapshot
 from tools.bench.fake_engine import FakeEngine, start_server
 
 ADMIN = "admin-key"
@@ -212,23 +212,27 @@ async def test_metrics_need_the_admin_key_when_not_public(engine: str, tmp_path:
         assert right.status_code == 200 and "loragate_requests_in_flight" in right.text
 
 
-def supervisor_at(base_url: str | None, state: EngineState = EngineState.READY) -> SimpleNamespace:
-    endpoint = SimpleNamespace(base_url=base_url, headers={}) if base_url else None
-    return SimpleNamespace(
-        state=state, restarts=2, waiting=1, serving=state == EngineState.READY, endpoint=endpoint
-    )
+def engine_at(
+    base_url: str, state: EngineState = EngineState.READY, adapters: AdapterStats | None = None
+) -> ProxiedBackend:
+    """A backend whose engine reports ``state`` (restarted twice, one request queued)."""
+    engine = engine_snapshot(state=state, restarts=2, waiting_requests=1)
+    return ProxiedBackend(base_url, ["base"], engine=engine, adapters=adapters, engine_url=base_url)
 
 
 async def test_engine_state_adapters_and_the_engines_own_metrics_in_one_scrape(
     engine: str, tmp_path: Path
 ) -> None:
-    manager = SimpleNamespace(
-        counters={"loads": 3, "swaps": 1, "load_failures": 1},
+    adapters = adapter_stats(
+        loads=3,
+        swaps=1,
+        load_failures=1,
         last_load_seconds=0.25,
-        public_models=lambda: ["base", "a", "b"],
-        store=SimpleNamespace(total_bytes=lambda: 4096, evictions=2),
+        served=2,
+        store_bytes=4096,
+        store_evictions=2,
     )
-    backend = ProxiedBackend(engine, ["base"], supervisor=supervisor_at(engine), manager=manager)
+    backend = engine_at(engine, adapters=adapters)
     async with client_for(backend, tmp_path) as client:
         await client.post("/v1/chat/completions", json=chat("base"))
         samples = parse((await client.get("/metrics")).text)
@@ -250,9 +254,8 @@ async def test_engine_state_adapters_and_the_engines_own_metrics_in_one_scrape(
 
 
 async def test_a_silent_engine_does_not_break_the_scrape(engine: str, tmp_path: Path) -> None:
-    dead = supervisor_at("http://127.0.0.1:9")  # discard port: nothing listens
-    for supervisor in (dead, supervisor_at(engine, EngineState.RESTARTING)):
-        backend = ProxiedBackend(engine, ["base"], supervisor=supervisor)
+    dead = engine_at("http://127.0.0.1:9")  # discard port: nothing listens
+    for backend in (dead, engine_at(engine, EngineState.RESTARTING)):
         async with client_for(backend, tmp_path) as client:
             scrape = await client.get("/metrics")
         assert scrape.status_code == 200

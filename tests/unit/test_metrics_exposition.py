@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import httpx
 import pytest
@@ -19,8 +17,7 @@ from loragate.gateway.app import create_app
 from loragate.gateway.engine_metrics import relabel_engine_metrics
 from loragate.gateway.engine_names import AnyVersionRename
 from loragate.settings import Settings
-from loragate.supervisor.states import EngineState
-from tests.backend_double import ProxiedBackend, serving
+from tests.backend_double import ProxiedBackend, adapter_stats, engine_snapshot, serving
 
 ENGINE_TEXT = """\
 # HELP process_open_fds Number of open file descriptors.
@@ -51,21 +48,12 @@ def stand_in_engine() -> FastAPI:
 @pytest.fixture
 def scrape(tmp_path: Path) -> Iterator[str]:
     with serving(stand_in_engine()) as engine_url:
-        supervisor = SimpleNamespace(
-            state=EngineState.READY,
-            restarts=0,
-            waiting=0,
-            serving=True,
-            endpoint=SimpleNamespace(base_url=engine_url, headers={}),
-        )
-        manager = SimpleNamespace(
-            counters={},
-            last_load_seconds=0.5,
-            public_models=lambda: ["base", "fox"],
-            store=SimpleNamespace(total_bytes=lambda: 0, evictions=0),
-        )
-        backend: Any = ProxiedBackend(
-            engine_url, ["base", "fox"], supervisor=supervisor, manager=manager
+        backend = ProxiedBackend(
+            engine_url,
+            ["base", "fox"],
+            engine=engine_snapshot(),
+            adapters=adapter_stats(last_load_seconds=0.5, served=1),
+            engine_url=engine_url,
         )
         # As the supervised engine's backend does: engine ids back to public names.
         backend.rename_engine_ids = AnyVersionRename("__base__@0123456789ab", "base").everywhere

@@ -373,7 +373,7 @@ async def test_a_refused_layout_is_the_reason_health_gives(
     from loragate.gateway.engine_backend import SupervisedEngineBackend
     from tools.bench.targets import write_fake_model
 
-    monkeypatch.setattr("loragate.gateway.engine_backend.is_cpu_build", lambda python: True)
+    monkeypatch.setattr("loragate.gateway.engine_plan.is_cpu_build", lambda python: True)
     settings = Settings(
         model=str(write_fake_model(tmp_path / "model")), cache_dir=tmp_path / "cache",
         distributed_executor_backend="ray", tool_call_parser="none", cpu_lora_ops=False,
