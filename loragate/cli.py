@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import enum
 import gc
+import inspect
 import json
 import logging
 import os
@@ -13,6 +13,8 @@ from typing import Annotated, Any
 
 import typer
 from typer.core import TyperCommand
+
+from loragate.cli_options import given_values, serve_parameters
 
 HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(
@@ -77,21 +79,6 @@ def _root(
     OpenAI-compatible endpoint."""
 
 
-class LogLevel(enum.StrEnum):
-    debug = "debug"
-    info = "info"
-    warning = "warning"
-    error = "error"
-    critical = "critical"
-
-
-class ExecutorBackendChoice(enum.StrEnum):
-    mp = "mp"
-    ray = "ray"
-    uni = "uni"
-    external_launcher = "external_launcher"
-
-
 class _ServeCommand(TyperCommand):
     """``gateway serve``: its own options before ``--``, the engine's after it.
 
@@ -111,231 +98,17 @@ class _ServeCommand(TyperCommand):
         return after
 
 
-@app.command(cls=_ServeCommand)
 def serve(
     ctx: typer.Context,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            "--pretrained-model-name-or-path",
-            help="Base model: a local dir or a Hugging Face id. Default: the bundled demo model.",
-        ),
-    ] = None,
-    model_name: Annotated[
-        str | None,
-        typer.Option(
-            "--model-name", "--served-model-name", help="The id clients use for the base model."
-        ),
-    ] = None,
-    run_id: Annotated[str | None, typer.Option(help="Serve a Datature Vi training run.")] = None,
-    secret_key: Annotated[str | None, typer.Option(envvar="DATATURE_VI_SECRET_KEY")] = None,
-    organization_id: Annotated[
-        str | None, typer.Option(envvar="DATATURE_VI_ORGANIZATION_ID")
-    ] = None,
-    host: Annotated[
-        str | None, typer.Option(help="Address to listen on [default: 127.0.0.1].")
-    ] = None,
-    port: Annotated[int | None, typer.Option(help="Port to listen on [default: 8000].")] = None,
-    lora: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--lora", "--lora-modules", help="NAME=SOURCE, served from boot on (repeatable)."
-        ),
-    ] = None,
-    adapters_manifest: Annotated[
-        str | None,
-        typer.Option(
-            help="The fleet's adapter manifest (file, http(s) URL or hf://ORG/REPO[@REV]/PATH): "
-            "serve exactly its adapters, checked every follow interval.",
-        ),
-    ] = None,
-    max_loras: Annotated[
-        int | None, typer.Option(help="Adapters in one batch [default: 2].")
-    ] = None,
-    max_lora_rank: Annotated[
-        int | None, typer.Option(help="Largest adapter rank [default: 16].")
-    ] = None,
-    max_cpu_loras: Annotated[int | None, typer.Option(help="Engine-side adapter LRU size.")] = None,
-    tensor_parallel_size: Annotated[
-        int | None,
-        typer.Option(
-            "--tensor-parallel-size",
-            "-tp",
-            help="Split the model over this many GPUs (vLLM's; also accepted after `--`).",
-        ),
-    ] = None,
-    pipeline_parallel_size: Annotated[
-        int | None,
-        typer.Option(
-            "--pipeline-parallel-size",
-            "-pp",
-            help="Pipeline stages, one GPU group each (vLLM's; also accepted after `--`).",
-        ),
-    ] = None,
-    data_parallel_size: Annotated[
-        int | None,
-        typer.Option(
-            "--data-parallel-size",
-            "-dp",
-            help="Model replicas (vLLM's; also accepted after `--`).",
-        ),
-    ] = None,
-    distributed_executor_backend: Annotated[
-        ExecutorBackendChoice | None,
-        typer.Option(
-            "--distributed-executor-backend",
-            help="How vLLM runs its workers: mp (this machine) or ray (needs ray in the engine's "
-            "Python) [default: vLLM's choice].",
-        ),
-    ] = None,
-    tool_call_parser: Annotated[
-        str | None,
-        typer.Option(
-            help="vLLM's tool-call parser (e.g. hermes, llama3_json); 'none' for no tool calls "
-            "[default: the model family's, else pythonic].",
-        ),
-    ] = None,
-    cache_dir: Annotated[
-        Path | None, typer.Option(help="Adapters, models, manifest, logs.")
-    ] = None,
-    api_key: Annotated[
-        list[str] | None, typer.Option(help="Inference API key (repeatable).")
-    ] = None,
-    api_key_file: Annotated[
-        Path | None,
-        typer.Option(help="File of inference API keys, one a line (# comments); kept out of `ps`."),
-    ] = None,
-    admin_key: Annotated[str | None, typer.Option(help="Key for the admin routes.")] = None,
-    allowed_media_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--allowed-media-dir",
-            "--allowed-local-media-path",
-            help="Requests may read local images from this dir only.",
-        ),
-    ] = None,
-    upstream_url: Annotated[
-        str | None,
-        typer.Option(
-            help="Serve this OpenAI-compatible server (e.g. http://host:8000/v1); no engine is started."
-        ),
-    ] = None,
-    max_body_bytes: Annotated[
-        int | None, typer.Option(help="Largest request body in bytes, 413 above (default: 32 MiB).")
-    ] = None,
-    limit_concurrency: Annotated[
-        int | None,
-        typer.Option(help="Most connections and requests at once, 503 above (default: 512)."),
-    ] = None,
-    max_messages: Annotated[
-        int | None, typer.Option(help="Most messages in one chat request (default: 1024).")
-    ] = None,
-    max_tokens_cap: Annotated[
-        int | None, typer.Option(help="Largest max_tokens a request may ask for (default: no cap).")
-    ] = None,
-    max_image_bytes: Annotated[
-        int | None, typer.Option(help="Largest image in a request, in bytes (default: 20 MiB).")
-    ] = None,
-    max_image_pixels: Annotated[
-        int | None, typer.Option(help="Most pixels in an image in a request (default: 40 million).")
-    ] = None,
-    private_image_urls: Annotated[
-        bool | None,
-        typer.Option(
-            "--private-image-urls",
-            help="Let image URLs point at loopback/private addresses (default: refused).",
-        ),
-    ] = None,
-    cors_origin: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--cors-origin",
-            "--allowed-origins",
-            help="Allow browser requests from this origin (repeatable; CORS is off by default).",
-        ),
-    ] = None,
-    allowed_hosts: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--allowed-hosts",
-            help="Host names admin requests may name besides loopback and --host "
-            "(comma-separated or repeated; '*.example.com', '*').",
-        ),
-    ] = None,
-    open_admin: Annotated[
-        bool | None,
-        typer.Option(
-            "--open-admin",
-            help="Admin routes without any key, to this machine's clients only "
-            "(default: without --admin-key, a per-start token in CACHE_DIR/admin-token).",
-        ),
-    ] = None,
-    docs: Annotated[
-        bool | None,
-        typer.Option(
-            "--docs/--no-docs", help="Serve /docs, /redoc and /openapi.json (default: on)."
-        ),
-    ] = None,
     config: Annotated[Path | None, typer.Option(help="Settings file (TOML or YAML).")] = None,
-    log_level: Annotated[
-        LogLevel | None,
-        typer.Option("--log-level", case_sensitive=False, help="Log level [default: info]."),
-    ] = None,
-    log_json: Annotated[bool | None, typer.Option("--log-json", help="Log as JSON lines.")] = None,
-    access_log: Annotated[
-        bool | None,
-        typer.Option(
-            "--access-log", help="Log each inference request: id, model, status, duration."
-        ),
-    ] = None,
+    **options: Any,
 ) -> None:
     """Start the engine and the gateway. Arguments after `--` go to the engine untouched
     (except the flags loragate sets itself, which are refused with the option to use)."""
     from loragate.settings import load_settings
 
-    explicit: dict[str, Any] = {
-        "model": model,
-        "model_name": model_name,
-        "run_id": run_id,
-        "secret_key": secret_key,
-        "organization_id": organization_id,
-        "host": host,
-        "port": port,
-        "lora": lora or None,
-        "adapters_manifest": adapters_manifest,
-        "max_loras": max_loras,
-        "max_lora_rank": max_lora_rank,
-        "max_cpu_loras": max_cpu_loras,
-        "tensor_parallel_size": tensor_parallel_size,
-        "pipeline_parallel_size": pipeline_parallel_size,
-        "data_parallel_size": data_parallel_size,
-        "distributed_executor_backend": (
-            distributed_executor_backend.value if distributed_executor_backend else None
-        ),
-        "tool_call_parser": tool_call_parser,
-        "cache_dir": cache_dir,
-        "api_key": api_key or None,
-        "api_key_file": api_key_file,
-        "admin_key": admin_key,
-        "max_body_bytes": max_body_bytes,
-        "limit_concurrency": limit_concurrency,
-        "max_messages": max_messages,
-        "max_tokens_cap": max_tokens_cap,
-        "max_image_bytes": max_image_bytes,
-        "max_image_pixels": max_image_pixels,
-        "private_image_urls": private_image_urls,
-        "cors_origins": cors_origin or None,
-        "allowed_hosts": allowed_hosts or None,
-        "open_admin": open_admin,
-        "docs": docs,
-        "allowed_media_dir": allowed_media_dir,
-        "upstream_url": upstream_url,
-        "engine_args": list(ctx.args) or None,
-        "log_level": log_level.value if log_level else None,
-        "log_json": log_json,
-        "access_log": access_log,
-    }
+    explicit = given_values(options)
+    explicit["engine_args"] = list(ctx.args) or None
     from loragate.engine_flags import check_engine_args
 
     try:
@@ -405,6 +178,13 @@ def serve(
         access_log=False,
         log_config=None,
     )
+
+
+# Every option but --config is a Settings field: declared there once (loragate/cli_options.py).
+serve.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [*list(inspect.signature(serve).parameters.values())[:2], *serve_parameters()]
+)
+app.command(cls=_ServeCommand)(serve)
 
 
 def _admin(

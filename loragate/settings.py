@@ -36,7 +36,14 @@ _file_values: contextvars.ContextVar[dict[str, Any] | None] = contextvars.Contex
 )
 
 BaseRouting = Literal["auto", "zero-adapter", "direct"]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 ExecutorBackend = Literal["mp", "ray", "uni", "external_launcher"]  # vLLM's, config/parallel.py
+
+
+def serve_option(*flags: str, envvar: str | None = None) -> dict[str, Any]:
+    """Marks a field as a `gateway serve` option (``cli_options`` builds it): its flags (the
+    field's own --kebab-name when none are given), its help the field's description."""
+    return {"cli": list(flags), "cli_envvar": envvar}
 
 
 class Settings(BaseSettings):
@@ -49,6 +56,7 @@ class Settings(BaseSettings):
             "Base model: a local directory, a Hugging Face id, or a GGUF file (path/model.gguf, "
             "hf://ORG/REPO/FILE.gguf, pkg://DIST/PATH), dequantized once. Default: the bundled demo."
         ),
+        json_schema_extra=serve_option("--model", "--pretrained-model-name-or-path"),
     )
     demo: Literal["smollm2", "tiny"] = Field(
         default="smollm2",
@@ -59,10 +67,14 @@ class Settings(BaseSettings):
         ),
     )
     model_name: str | None = Field(
-        default=None, description="The id clients use for the base model."
+        default=None,
+        description="The id clients use for the base model.",
+        json_schema_extra=serve_option("--model-name", "--served-model-name"),
     )
     lora: list[str] = Field(
-        default_factory=list, description="Adapters served from boot on, NAME=SOURCE."
+        default_factory=list,
+        description="NAME=SOURCE, an adapter served from boot on (repeatable).",
+        json_schema_extra=serve_option("--lora", "--lora-modules"),
     )
     adapters_manifest: str | None = Field(
         default=None,
@@ -71,6 +83,7 @@ class Settings(BaseSettings):
             'JSON or YAML: {"adapters": {"NAME": {"source": ...}}}). This gateway serves exactly '
             "its adapters, checked every follow_interval; the admin API cannot change them."
         ),
+        json_schema_extra=serve_option(),
     )
     vision_model: bool | None = Field(
         default=None,
@@ -85,20 +98,46 @@ class Settings(BaseSettings):
             "Serve an existing OpenAI-compatible server (e.g. http://host:8000/v1) instead of "
             "supervising an engine: no engine is started, adapters are the upstream's."
         ),
+        json_schema_extra=serve_option(),
     )
     upstream_api_key: str | None = Field(default=None, description="Bearer key for --upstream-url.")
-    run_id: str | None = None
-    secret_key: str | None = None
-    organization_id: str | None = None
+    run_id: str | None = Field(
+        default=None,
+        description="Serve a Datature Vi training run: its base model and its adapter.",
+        json_schema_extra=serve_option(),
+    )
+    secret_key: str | None = Field(
+        default=None,
+        description="Datature Vi secret key, for --run-id.",
+        json_schema_extra=serve_option(envvar="DATATURE_VI_SECRET_KEY"),
+    )
+    organization_id: str | None = Field(
+        default=None,
+        description="Datature Vi organization id, for --run-id.",
+        json_schema_extra=serve_option(envvar="DATATURE_VI_ORGANIZATION_ID"),
+    )
 
     # Where to listen.
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = Field(
+        default="127.0.0.1", description="Address to listen on.", json_schema_extra=serve_option()
+    )
+    port: int = Field(
+        default=8000, description="Port to listen on.", json_schema_extra=serve_option()
+    )
 
     # Engine limits and arguments.
-    max_loras: int = Field(default=2, ge=1)
-    max_lora_rank: int = Field(default=16, ge=1)
-    max_cpu_loras: int | None = Field(default=None, ge=1)
+    max_loras: int = Field(
+        default=2, ge=1, description="Adapters in one batch.", json_schema_extra=serve_option()
+    )
+    max_lora_rank: int = Field(
+        default=16, ge=1, description="Largest adapter rank.", json_schema_extra=serve_option()
+    )
+    max_cpu_loras: int | None = Field(
+        default=None,
+        ge=1,
+        description="Engine-side adapter LRU size.",
+        json_schema_extra=serve_option(),
+    )
     tool_call_parser: str | None = Field(
         default=None,
         description=(
@@ -106,17 +145,27 @@ class Settings(BaseSettings):
             "for any tool_choice). Default: the model family's parser when its chat template "
             "renders tools, else 'pythonic' (named tool_choice works on any model); 'none': off."
         ),
+        json_schema_extra=serve_option(),
     )
     # Parallelism: vLLM's options under vLLM's names. Also accepted after `--`; the preflight
     # reads them either way (``parallel``) and refuses one given both ways, differently.
     tensor_parallel_size: int | None = Field(
-        default=None, ge=1, description="GPUs each model replica is split over (vLLM's -tp)."
+        default=None,
+        ge=1,
+        description="GPUs each model replica is split over (vLLM's; also accepted after `--`).",
+        json_schema_extra=serve_option("--tensor-parallel-size", "-tp"),
     )
     pipeline_parallel_size: int | None = Field(
-        default=None, ge=1, description="Pipeline stages, one GPU (group) each (vLLM's -pp)."
+        default=None,
+        ge=1,
+        description="Pipeline stages, one GPU (group) each (vLLM's; also accepted after `--`).",
+        json_schema_extra=serve_option("--pipeline-parallel-size", "-pp"),
     )
     data_parallel_size: int | None = Field(
-        default=None, ge=1, description="Model replicas (vLLM's -dp)."
+        default=None,
+        ge=1,
+        description="Model replicas (vLLM's; also accepted after `--`).",
+        json_schema_extra=serve_option("--data-parallel-size", "-dp"),
     )
     distributed_executor_backend: ExecutorBackend | None = Field(
         default=None,
@@ -124,6 +173,7 @@ class Settings(BaseSettings):
             "How vLLM runs its workers: 'mp' (processes on this machine) or 'ray' (a Ray "
             "cluster; needs ray in the engine's Python). Default: vLLM's choice."
         ),
+        json_schema_extra=serve_option(),
     )
     engine_args: list[str] = Field(
         default_factory=list, description="Passed to the engine untouched."
@@ -152,15 +202,37 @@ class Settings(BaseSettings):
     )
 
     # Files.
-    cache_dir: Path = Field(default_factory=default_cache_dir)
-    allowed_media_dir: Path | None = None
+    cache_dir: Path = Field(
+        default_factory=default_cache_dir,
+        description="Adapters, models, manifests, logs.",
+        json_schema_extra=serve_option(),
+    )
+    allowed_media_dir: Path | None = Field(
+        default=None,
+        description="Requests may read local images from this dir only.",
+        json_schema_extra=serve_option("--allowed-media-dir", "--allowed-local-media-path"),
+    )
 
     # Access.
-    api_key: list[str] = Field(default_factory=list)
-    api_key_file: Path | None = None
-    admin_key: str | None = None
+    api_key: list[str] = Field(
+        default_factory=list,
+        description="Inference API key (repeatable).",
+        json_schema_extra=serve_option(),
+    )
+    api_key_file: Path | None = Field(
+        default=None,
+        description="File of inference API keys, one a line (# comments); kept out of `ps`.",
+        json_schema_extra=serve_option(),
+    )
+    admin_key: str | None = Field(
+        default=None, description="Key for the admin routes.", json_schema_extra=serve_option()
+    )
     metrics_public: bool = True
-    cors_origins: list[str] = Field(default_factory=list)
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description="Allow browser requests from this origin (repeatable; CORS is off by default).",
+        json_schema_extra=serve_option("--cors-origin", "--allowed-origins"),
+    )
     allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description=(
@@ -168,6 +240,7 @@ class Settings(BaseSettings):
             "(comma-separated or repeated; '*.example.com' for subdomains, '*' for any). "
             "Defends the admin API against DNS rebinding."
         ),
+        json_schema_extra=serve_option(),
     )
     open_admin: bool = Field(
         default=False,
@@ -175,8 +248,13 @@ class Settings(BaseSettings):
             "Serve the admin routes without any key, to clients on this machine only. Off: "
             "without --admin-key, a per-start token in CACHE_DIR/admin-token is the key."
         ),
+        json_schema_extra=serve_option(),
     )
-    docs: bool = True
+    docs: bool = Field(
+        default=True,
+        description="Serve /docs, /redoc and /openapi.json.",
+        json_schema_extra=serve_option("--docs/--no-docs"),
+    )
 
     # Supervision.
     startup_timeout: float = Field(default=900.0, gt=0)
@@ -195,7 +273,12 @@ class Settings(BaseSettings):
     # Requests.
     queue_size: int = Field(default=256, ge=0)
     queue_deadline: float = Field(default=300.0, ge=0)
-    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        gt=0,
+        description="Largest request body in bytes, 413 above.",
+        json_schema_extra=serve_option(),
+    )
     limit_concurrency: int = Field(
         default=512,
         ge=1,
@@ -203,11 +286,32 @@ class Settings(BaseSettings):
             "Most connections and requests at once (uvicorn's --limit-concurrency); past it, a "
             "503 at once. Each takes a file descriptor, and so may its engine request."
         ),
+        json_schema_extra=serve_option(),
     )
-    max_messages: int = Field(default=1024, ge=1)
-    max_tokens_cap: int | None = Field(default=None, ge=1)
-    max_image_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
-    max_image_pixels: int = Field(default=40_000_000, gt=0)
+    max_messages: int = Field(
+        default=1024,
+        ge=1,
+        description="Most messages in one chat request.",
+        json_schema_extra=serve_option(),
+    )
+    max_tokens_cap: int | None = Field(
+        default=None,
+        ge=1,
+        description="Largest max_tokens a request may ask for. Default: no cap.",
+        json_schema_extra=serve_option(),
+    )
+    max_image_bytes: int = Field(
+        default=20 * 1024 * 1024,
+        gt=0,
+        description="Largest image in a request, in bytes.",
+        json_schema_extra=serve_option(),
+    )
+    max_image_pixels: int = Field(
+        default=40_000_000,
+        gt=0,
+        description="Most pixels in an image in a request.",
+        json_schema_extra=serve_option(),
+    )
     max_images_per_request: int = Field(
         default=16, ge=1, description="Image parts one chat request may carry (more: a 400)."
     )
@@ -217,18 +321,29 @@ class Settings(BaseSettings):
             "Let image URLs name loopback, private or link-local addresses (the gateway fetches "
             "them). Off: a URL whose host is or resolves to one is a 403."
         ),
+        json_schema_extra=serve_option(),
     )
 
     # Adapters.
     follow_interval: float = Field(default=30.0, gt=0)
     store_max_bytes: int | None = Field(default=None, ge=0)
 
-    log_json: bool = False
+    log_json: bool = Field(
+        default=False, description="Log as JSON lines.", json_schema_extra=serve_option()
+    )
     access_log: bool = Field(
         default=False,
         description="Log one line per inference request (request id, model, status, duration).",
+        json_schema_extra=serve_option(),
     )
-    log_level: str = "info"
+    log_level: LogLevel = Field(
+        default="info", description="Log level.", json_schema_extra=serve_option()
+    )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level_in_any_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("lora", "api_key", "cors_origins", "engine_args", mode="before")
     @classmethod

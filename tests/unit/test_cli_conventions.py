@@ -4,7 +4,8 @@ and vLLM's names for the options that mean the same."""
 
 from __future__ import annotations
 
-from typing import Any
+import typing
+from typing import Any, Literal
 
 import pytest
 from typer.testing import CliRunner
@@ -132,3 +133,54 @@ def test_a_config_file_cannot_set_loragate_owned_engine_flags_either() -> None:
 
     with pytest.raises(ValueError, match="--served-model-name: use --model-name"):
         Settings(engine_args=["--served-model-name", "x"])
+
+
+def _serve_options() -> list[tuple[str, str]]:
+    """(field name, first flag) of each generated option (typer keeps an Annotated option's
+    first name in ``default``)."""
+    from loragate.cli_options import serve_parameters
+
+    options = [(p.name, p.annotation.__metadata__[0]) for p in serve_parameters()]
+    return [(name, option.default.split("/")[0]) for name, option in options]
+
+
+@pytest.mark.parametrize(("name", "flag"), _serve_options(), ids=[n for n, _ in _serve_options()])
+def test_each_serve_option_is_the_settings_field_of_its_name(
+    captured: dict[str, Any], name: str, flag: str
+) -> None:
+    """Declared once, in Settings: its help is the field's description, and a value given on
+    the command line reaches the settings under the field's name, in the field's type."""
+    from loragate.settings import Settings
+
+    field = Settings.model_fields[name]
+    help_text = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "400"}).output
+    assert flag in help_text
+    assert " ".join((field.description or "").split()[:4]) in " ".join(help_text.split())
+    annotation = str(field.annotation)
+    if "bool" in annotation:
+        args, want = [flag], True
+    elif "Literal" in annotation:
+        literal = next(
+            (a for a in typing.get_args(field.annotation) if typing.get_origin(a) is Literal),
+            field.annotation,
+        )
+        choice = str(typing.get_args(literal)[-1])
+        args, want = [flag, choice], choice
+    elif "list" in annotation:
+        args, want = [flag, "a", flag, "b"], ["a", "b"]
+    elif "int" in annotation:
+        args, want = [flag, "3"], 3
+    elif "Path" in annotation:
+        args, want = [flag, "/srv/x"], "/srv/x"
+    else:
+        args, want = [flag, "value"], "value"
+    result = runner.invoke(app, ["serve", *args])
+    assert "stopped by the test" in result.output, result.output
+    given = {key: value for key, value in captured.items() if value is not None}
+    assert set(given) == {name}, given
+    assert (str(given[name]) if "Path" in annotation else given[name]) == want
+
+
+def test_no_docs_turns_the_docs_off(captured: dict[str, Any]) -> None:
+    runner.invoke(app, ["serve", "--no-docs"])
+    assert captured["docs"] is False
