@@ -105,6 +105,17 @@ class _Exchange(asyncio.Protocol):
             self.transport.abort()
 
 
+def header_lines(headers: dict[str, str]) -> bytes:
+    """``Name: value`` lines (CRLF-ended) for each header (of the proxy's requests too); a line break in
+    a name or value is refused: it would end the head and smuggle what follows."""
+    lines = []
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"header {name!r} holds a line break")
+        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    return b"".join(lines)
+
+
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()  # tens of milliseconds to build: once
@@ -136,11 +147,11 @@ async def request(
     authority = parts.netloc.rpartition("@")[2]  # no credentials in the Host header
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     body = b"" if json is None else orjson.dumps(json)
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {authority}", "Connection: close"]
-    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    first = f"{method} {target} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n"
+    fields = dict(headers or {})
     if json is not None:
-        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        fields |= {"Content-Type": "application/json", "Content-Length": str(len(body))}
+    head = first.encode("latin-1") + header_lines(fields) + b"\r\n"
     loop = asyncio.get_running_loop()
     exchange: _Exchange | None = None
     answered = False

@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from loragate.gateway.errors import OpenAIError, error_event
 from loragate.gateway.metrics import current_observation
+from loragate.plain_http import header_lines
 
 _EVENT_END = b"\n\n"
 # Past this much unread stream data, stop reading the upstream socket (TCP back-pressure).
@@ -153,6 +154,8 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
+        if 100 <= self.status < 200:
+            return  # 100 Continue or 103 Early Hints: the answer follows on the connection
         self.head_done = True
         self._wake()
 
@@ -167,6 +170,10 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if not self.head_done:  # the end of an interim (1xx) answer: its headers say nothing
+            self.content_type = b"application/json"
+            self._until_close = True
+            return
         # Only valid here: once feed_data returns, the parser has reset for the next message.
         self._keep_alive = self._parser.should_keep_alive()
         self.complete = True
@@ -292,14 +299,8 @@ def _target(url: str, method: str = "POST", uds: str | None = None) -> _Target:
 
 
 def _request_bytes(target: _Target, headers: dict[str, str], body: bytes) -> bytes:
-    lines = [target.request_line, b"Content-Length: %d\r\n" % len(body)]
-    for name, value in headers.items():
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-            raise ValueError(f"header {name!r} holds a line break")
-        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-    lines.append(b"\r\n")
-    lines.append(body)
-    return b"".join(lines)
+    length = b"Content-Length: %d\r\n" % len(body)
+    return b"".join((target.request_line, length, header_lines(headers), b"\r\n", body))
 
 
 class _Pool:

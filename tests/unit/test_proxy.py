@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from starlette.responses import Response
 
+from loragate import plain_http
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import (
     ProxyClient,
@@ -347,3 +348,45 @@ async def test_an_error_answer_to_a_stream_request_is_a_plain_response_with_the_
     assert response.status_code == 400
     assert response.body == b'{"error":{"message":"public cannot do that"}}'
     assert done.calls == 1
+
+
+async def test_an_interim_answer_before_the_real_one_is_skipped() -> None:
+    """A 103 Early Hints (or 100 Continue) first: the client gets the final answer, once."""
+
+    async def hints_first(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+    ) -> None:
+        while await read_request(reader) is not None:
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>; rel=preload\r\n\r\n")
+            writer.write(json_response(ANSWER))
+            await writer.drain()
+
+    client, done = ProxyClient(), Done()
+    async with Upstream(hints_first).running() as upstream:
+        for _ in range(2):  # and the kept-alive connection is still in step for the next
+            response = await forward(client, upstream.url, done)
+            assert response.status_code == 200
+            assert response.body == b'{"model":"public","choices":[]}'
+        await client.aclose()
+    assert upstream.connections == 1
+
+
+@pytest.mark.parametrize("header", [{"X-A": "a\r\nX-Smuggled: 1"}, {"X-A\nB": "b"}])
+async def test_a_header_with_a_line_break_is_refused_by_both_clients(
+    header: dict[str, str],
+) -> None:
+    client, seen = ProxyClient(), []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        seen.append(await reader.read(65536))
+
+    async with Upstream(record).running() as upstream:
+        with pytest.raises(OpenAIError, match="ValueError"):
+            await client.forward(
+                upstream.url, b"{}", header, stream=False, rename=None,
+                on_done=Done(), response_headers={},
+            )  # fmt: skip
+        await client.aclose()
+    assert seen in ([], [b""])  # nothing of the request was sent
+    with pytest.raises(ValueError, match="line break"):
+        await plain_http.request("GET", "http://127.0.0.1:9/x", timeout=1, headers=header)
