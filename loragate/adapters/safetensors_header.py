@@ -8,6 +8,7 @@ have the shapes an engine expects, which lets the gateway vet an adapter without
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -69,10 +70,20 @@ def read_safetensors_header(path: Path) -> SafetensorsHeader:
     """Parse and check the header of the safetensors file at ``path``.
 
     Raises ``SafetensorsError`` when the file is truncated, padded, or its header is not
-    valid JSON describing tensors that fit the data section exactly.
+    valid JSON describing tensors that fit the data section exactly. Read once per version of
+    a file: detection, conversion and validation of one adapter all ask for it, and a file
+    with the same inode, size and modification time is not read again.
     """
     try:
-        file_size = path.stat().st_size
+        stat = path.stat()
+    except OSError as exc:
+        raise SafetensorsError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    return _read(path, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _read(path: Path, inode: int, file_size: int, mtime_ns: int) -> SafetensorsHeader:
+    try:
         with path.open("rb") as handle:
             prefix = handle.read(8)
             if len(prefix) < 8:

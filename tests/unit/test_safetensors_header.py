@@ -116,3 +116,29 @@ def test_file_with_no_tensors_is_well_formed(tmp_path: Path) -> None:
     header = read_safetensors_header(path)
     assert header.tensors == {}
     assert header.metadata == {"format": "pt"}
+
+
+def test_one_version_of_a_file_is_read_once_and_a_new_one_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Detection, conversion and validation each ask for an adapter's header: one read."""
+    header = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    path = _raw_file(tmp_path / "a.safetensors", header, b"\0" * 8)
+    opened: list[Path] = []
+    real_open = Path.open
+
+    def counting_open(self: Path, *args: object, **kwargs: object) -> object:
+        if args[:1] == ("rb",):
+            opened.append(self)
+        return real_open(self, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(Path, "open", counting_open)
+    first = read_safetensors_header(path)
+    assert read_safetensors_header(path) is first
+    assert opened == [path]
+    # A new version of the file (here a longer one, as a re-export would be) is read anew.
+    bigger = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
+    replacement = _raw_file(tmp_path / "b.safetensors", bigger, b"\0" * 16)
+    replacement.replace(path)
+    assert read_safetensors_header(path).shapes() == {"w": (4,)}
+    assert opened == [path, path]
