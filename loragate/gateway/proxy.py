@@ -17,25 +17,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, cast
-from urllib.parse import urlsplit
+from typing import Any
 
-import httptools
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from loragate.gateway.errors import OpenAIError, error_event
 from loragate.gateway.metrics import current_observation
-from loragate.plain_http import header_lines
+from loragate.gateway.upstream_pool import (
+    Origin,
+    Pool,
+    Target,
+    UpstreamBroken,
+    UpstreamConnection,
+    request_bytes,
+    target,
+)
 
 _EVENT_END = b"\n\n"
-# Past this much unread stream data, stop reading the upstream socket (TCP back-pressure).
-_HIGH_WATER = 256 * 1024
 
 
 class Rename:
@@ -74,291 +76,6 @@ class UpstreamUnreachable(OpenAIError):
     maybe_delivered = False
 
 
-class UpstreamBroken(Exception):
-    """The upstream connection failed or sent something that is not HTTP/1.1."""
-
-
-# ----- one upstream connection ----------------------------------------------------------------
-
-
-class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection carrying one exchange at a time.
-
-    httptools calls ``on_*`` while ``data_received`` feeds it; they only record and wake the
-    one coroutine waiting on this connection (``_waiter``), never raise.
-    """
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.exchanges = 0
-        self.idle_since = 0.0
-        self._parser = httptools.HttpResponseParser(self)
-        self._waiter: asyncio.Future[None] | None = None
-        self._sink: Callable[[bytes], None] | None = None
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.content_type = b"application/json"
-        self.got_bytes = False
-        self.head_done = False
-        self.complete = False
-        self.error: BaseException | None = None
-        self._body: list[bytes] = []
-        self._buffered = 0
-        self._paused = False
-        self._until_close = True
-        self._keep_alive = False
-
-    # asyncio.Protocol
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports are not asyncio.Transport subclasses, but have the same methods.
-        self.transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamBroken(f"the upstream sent a malformed response: {exc}"))
-            self.abort()
-
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self.head_done and not self.complete and self._until_close and exc is None:
-            self.complete = True  # a body delimited by the connection's end
-            self._wake()
-            return
-        if not self.complete:
-            self._fail(UpstreamBroken(f"the upstream closed the connection ({exc or 'EOF'})"))
-
-    def pause_writing(self) -> None:  # request bodies are small; the kernel buffers them
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
-    # httptools callbacks
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        lower = name.lower()
-        if lower == b"content-type":
-            self.content_type = value
-        elif lower in (b"content-length", b"transfer-encoding"):
-            self._until_close = False
-
-    def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
-        if 100 <= self.status < 200:
-            return  # 100 Continue or 103 Early Hints: the answer follows on the connection
-        self.head_done = True
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        if self._sink is not None:
-            self._sink(body)
-            return
-        self._body.append(body)
-        self._buffered += len(body)
-        if self._buffered > _HIGH_WATER:
-            self.hold()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        if not self.head_done:  # the end of an interim (1xx) answer: its headers say nothing
-            self.content_type = b"application/json"
-            self._until_close = True
-            return
-        # Only valid here: once feed_data returns, the parser has reset for the next message.
-        self._keep_alive = self._parser.should_keep_alive()
-        self.complete = True
-        self._wake()
-
-    # the exchange, seen from the coroutine that owns it
-
-    def send(self, data: bytes) -> None:
-        assert self.transport is not None
-        self._reset()
-        self._sink = None
-        self.exchanges += 1
-        self.transport.write(data)
-
-    async def head(self) -> None:
-        while not self.head_done:
-            await self._wait()
-
-    async def read_all(self) -> bytes:
-        while not self.complete:
-            await self._wait()
-        body = b"".join(self._body)
-        self._body.clear()
-        return body
-
-    async def next_chunk(self) -> bytes | None:
-        """Body bytes received since the last call; None once the body is complete."""
-        while not self._body:
-            if self.complete:
-                return None
-            await self._wait()
-        chunk = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._body.clear()
-        self._buffered = 0
-        self.release()
-        return chunk
-
-    def relay_to(self, sink: Callable[[bytes], None] | None) -> None:
-        """Hand body bytes to ``sink`` as they arrive, from the parser's callback: no
-        buffering and no task to wake per chunk. What arrived before goes to it first."""
-        if sink is not None and self._body:
-            early = b"".join(self._body)
-            self._body.clear()
-            self._buffered = 0
-            sink(early)
-        self._sink = sink
-        self.release()
-
-    async def finished(self) -> None:
-        """Wait for the end of the body (relayed to a sink meanwhile)."""
-        while not self.complete:
-            await self._wait()
-
-    def hold(self) -> None:
-        """Stop reading the upstream socket (TCP back-pressure) until ``release``."""
-        if not self._paused and not self.closed and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-
-    def release(self) -> None:
-        if self._paused and not self.closed and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
-
-    @property
-    def reusable(self) -> bool:
-        return self.complete and not self.closed and self._keep_alive
-
-    def abort(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.abort()
-
-    async def _wait(self) -> None:
-        if self.error is not None:
-            raise self.error
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiter = waiter
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-        if self.error is not None and not self.complete:
-            raise self.error
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _fail(self, error: BaseException) -> None:
-        if self.error is None:
-            self.error = error
-        self._wake()
-
-
-# ----- the pool -------------------------------------------------------------------------------
-
-# scheme, host, port, and the Unix socket to connect to instead of host and port ("" for none)
-Origin = tuple[str, str, int, str]
-
-
-@dataclass(frozen=True)
-class _Target:
-    origin: Origin
-    request_line: bytes  # b"POST /v1/... HTTP/1.1\r\nHost: ...\r\n"
-
-
-@lru_cache(maxsize=64)
-def _target(url: str, method: str = "POST", uds: str | None = None) -> _Target:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"cannot proxy to {url!r}: an http(s) URL is needed")
-    if uds is not None and parts.scheme != "http":
-        raise ValueError(f"cannot proxy to {url!r} over a Unix socket: plain http:// only")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    path = parts.path or "/"
-    if parts.query:
-        path += "?" + parts.query
-    host = parts.netloc.rpartition("@")[2]
-    line = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")
-    return _Target((parts.scheme, parts.hostname, port, uds or ""), line)
-
-
-def _request_bytes(target: _Target, headers: dict[str, str], body: bytes) -> bytes:
-    length = b"Content-Length: %d\r\n" % len(body)
-    return b"".join((target.request_line, length, header_lines(headers), b"\r\n", body))
-
-
-class _Pool:
-    def __init__(self, connect_timeout: float, idle_timeout: float, max_idle: int) -> None:
-        self.connect_timeout = connect_timeout
-        self.idle_timeout = idle_timeout
-        self.max_idle = max_idle
-        self._idle: dict[Origin, list[_Connection]] = {}
-        self._ssl: ssl.SSLContext | None = None
-
-    def take_idle(self, origin: Origin) -> _Connection | None:
-        stack = self._idle.get(origin)
-        if not stack:
-            return None
-        oldest_ok = time.monotonic() - self.idle_timeout
-        while stack:
-            conn = stack.pop()
-            if not conn.closed and conn.idle_since >= oldest_ok:
-                return conn
-            conn.abort()
-        return None
-
-    async def connect(self, origin: Origin) -> _Connection:
-        scheme, host, port, uds = origin
-        loop = asyncio.get_running_loop()
-        if uds:
-            _, unix_conn = await asyncio.wait_for(
-                loop.create_unix_connection(_Connection, uds), self.connect_timeout
-            )
-            return unix_conn
-        tls: ssl.SSLContext | None = None
-        if scheme == "https":
-            if self._ssl is None:
-                self._ssl = ssl.create_default_context()
-            tls = self._ssl
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(_Connection, host, port, ssl=tls), self.connect_timeout
-        )
-        return conn
-
-    def give_back(self, origin: Origin, conn: _Connection) -> None:
-        if not conn.reusable:
-            conn.abort()
-            return
-        stack = self._idle.setdefault(origin, [])
-        if len(stack) >= self.max_idle:
-            conn.abort()
-            return
-        conn.idle_since = time.monotonic()
-        stack.append(conn)
-
-    def close(self) -> None:
-        for stack in self._idle.values():
-            for conn in stack:
-                conn.abort()
-        self._idle.clear()
-
-
 # ----- the client the backends use ------------------------------------------------------------
 
 
@@ -368,7 +85,7 @@ class ProxyClient:
     def __init__(
         self, connect_timeout: float = 10.0, idle_timeout: float = 4.0, max_idle: int = 256
     ) -> None:
-        self._pool = _Pool(connect_timeout, idle_timeout, max_idle)
+        self._pool = Pool(connect_timeout, idle_timeout, max_idle)
 
     async def aclose(self) -> None:
         self._pool.close()
@@ -394,9 +111,9 @@ class ProxyClient:
         extra = response_headers or {}
         observation = current_observation.get()
         started = time.perf_counter()
-        target = _target(url, method, uds)
+        where = target(url, method, uds)
         try:
-            conn = await self._exchange(target, _request_bytes(target, headers, body))
+            conn = await self._exchange(where, request_bytes(where, headers, body))
         except UpstreamUnreachable as exc:
             on_done()
             exc.headers = {**exc.headers, **extra}
@@ -421,7 +138,7 @@ class ProxyClient:
                     headers={"Retry-After": "5", **extra},
                 ) from exc
             finally:
-                self._pool.give_back(target.origin, conn)
+                self._pool.give_back(where.origin, conn)
             on_done()
             if observation is not None:
                 observation.upstream_seconds += time.perf_counter() - started
@@ -431,11 +148,11 @@ class ProxyClient:
                 )
             return _Answer(content, conn.status, conn.content_type, extra)
         return _RelayResponse(
-            self._pool, target.origin, conn, rename, on_done, started,
+            self._pool, where.origin, conn, rename, on_done, started,
             {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **extra},
         )  # fmt: skip
 
-    async def _exchange(self, target: _Target, request: bytes) -> _Connection:
+    async def _exchange(self, target: Target, request: bytes) -> UpstreamConnection:
         """Send ``request`` and wait for the answer's head; the connection is the caller's."""
         conn = self._pool.take_idle(target.origin)
         if conn is not None:
@@ -484,7 +201,7 @@ class ProxyClient:
             ) from exc
         return await self._first_answer(conn, request)
 
-    async def _first_answer(self, conn: _Connection, request: bytes) -> _Connection:
+    async def _first_answer(self, conn: UpstreamConnection, request: bytes) -> UpstreamConnection:
         """Send ``request`` on a new connection and wait for the answer's head."""
         conn.send(request)
         try:
@@ -544,9 +261,9 @@ class _RelayResponse(Response):
 
     def __init__(
         self,
-        pool: _Pool,
+        pool: Pool,
         origin: Origin,
-        conn: _Connection,
+        conn: UpstreamConnection,
         rename: Rename | None,
         on_done: Callable[[], None],
         started: float,

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import Response, StreamingResponse
 
-from loragate.gateway import hot_protocol, proxy
+from loragate.gateway import hot_protocol, upstream_pool
 from loragate.gateway.app import create_app
 from loragate.gateway.server_options import server_options
 from loragate.settings import Settings
@@ -484,13 +484,13 @@ def test_a_slow_reader_gets_a_long_stream_whole(
     drains (back-pressure), and nothing is lost or reordered on the way.
     """
     holds: list[bool] = []
-    hold = proxy._Connection.hold
+    hold = upstream_pool.UpstreamConnection.hold
 
-    def counted_hold(self: proxy._Connection) -> None:
+    def counted_hold(self: upstream_pool.UpstreamConnection) -> None:
         holds.append(True)
         hold(self)
 
-    monkeypatch.setattr(proxy._Connection, "hold", counted_hold)
+    monkeypatch.setattr(upstream_pool.UpstreamConnection, "hold", counted_hold)
     engine = FakeEngine(api_key=None, models=["base"])
     with fake_engine(engine) as engine_url:
         app = gateway_app(tmp_path, ProxiedBackend(engine_url, ["base"]))
