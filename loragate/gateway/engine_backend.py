@@ -42,7 +42,7 @@ from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 from loragate.supervisor.engine_client import EngineClient
 from loragate.supervisor.engine_command import EngineSpec
 from loragate.supervisor.pidfile import GatewayLock
-from loragate.supervisor.preflight import PreflightError
+from loragate.supervisor.preflight_problem import PreflightError
 from loragate.supervisor.sd_notify import SystemdNotifier, watchdog_loop
 from loragate.supervisor.snapshot import EngineSnapshot
 from loragate.supervisor.states import EngineState

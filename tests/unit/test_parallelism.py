@@ -16,15 +16,11 @@ from loragate.cli import app
 from loragate.engine_flags import ParallelLayout, engine_arg_value, parallel_layout
 from loragate.settings import Settings, load_settings
 from loragate.supervisor.engine_command import EngineSpec, engine_argv
+from loragate.supervisor.gpu_inventory import GpuInfo
 from loragate.supervisor.ports import find_free_port
-from loragate.supervisor.preflight import (
-    GpuInfo,
-    PreflightError,
-    PreflightProblem,
-    check_parallel,
-    check_parallel_boot,
-    run_preflight,
-)
+from loragate.supervisor.preflight import check_parallel_boot, run_preflight
+from loragate.supervisor.preflight_parallel import check_parallel
+from loragate.supervisor.preflight_problem import PreflightError, PreflightProblem
 
 GiB = 1 << 30
 H100 = "NVIDIA H100 80GB"

@@ -1,0 +1,89 @@
+"""The NVIDIA GPUs this process may use and their free memory, read through ``nvidia-smi``.
+
+Not NVML or torch: the gateway never loads CUDA itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loragate.supervisor.probe_command import run_probe
+
+logger = logging.getLogger(__name__)
+
+_NVIDIA_SMI_TIMEOUT = 20.0
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU the engine may use, as ``nvidia-smi`` lists it."""
+
+    index: str
+    name: str
+    total_bytes: int
+    free_bytes: int
+
+
+GpuInventory = Callable[[], "list[GpuInfo] | None"]
+
+
+def visible_gpus() -> list[GpuInfo] | None:
+    """The NVIDIA GPUs this process may use (``CUDA_VISIBLE_DEVICES``), in CUDA's order.
+
+    None when ``nvidia-smi`` is missing or fails (no driver, no GPU). Read through
+    ``nvidia-smi``, not NVML or torch: the gateway never loads CUDA itself.
+    """
+    nvidia_smi = shutil.which("nvidia-smi")
+    if nvidia_smi is None:
+        return None
+    result = run_probe(
+        [
+            nvidia_smi,
+            "--query-gpu=index,uuid,name,memory.total,memory.free",
+            "--format=csv,noheader,nounits",
+        ],
+        _NVIDIA_SMI_TIMEOUT,
+    )
+    if isinstance(result, str) or result.returncode != 0:
+        logger.debug("nvidia-smi failed: %s", result if isinstance(result, str) else result.stderr)
+        return None
+    gpus: list[tuple[str, GpuInfo]] = []
+    for line in result.stdout.splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) < 5:
+            continue
+        name = ", ".join(fields[2:-2])  # a name could hold a comma; the numbers cannot
+        with contextlib.suppress(ValueError):
+            total, free = (int(float(value)) * 1024 * 1024 for value in fields[-2:])
+            gpus.append((fields[1], GpuInfo(fields[0], name, total, free)))
+    if not gpus:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [gpu for _, gpu in gpus]
+    chosen: list[GpuInfo] = []
+    for token in (token.strip() for token in visible.split(",")):
+        if token.startswith("MIG-"):
+            # MIG slices are not in this listing; do not guess their memory.
+            return [gpu for _, gpu in gpus]
+        match = [gpu for uuid, gpu in gpus if _names_gpu(token, gpu.index, uuid)]
+        if not match:
+            break  # CUDA ignores everything from the first entry it cannot match
+        chosen.append(match[0])
+    return chosen
+
+
+def visible_gpu_free_bytes() -> list[int] | None:
+    """Free memory of each GPU ``visible_gpus`` lists; None without a GPU."""
+    gpus = visible_gpus()
+    return None if gpus is None else [gpu.free_bytes for gpu in gpus]
+
+
+def _names_gpu(token: str, index: str, uuid: str) -> bool:
+    # CUDA_VISIBLE_DEVICES takes indices, full UUIDs or unique UUID prefixes.
+    return token == index or (token.startswith("GPU-") and uuid.startswith(token))
