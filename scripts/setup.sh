@@ -86,5 +86,13 @@ if [[ ",$extras," == *",test,"* ]]; then
   fi
 fi
 
+if [[ ",$extras," == *",test,"* ]]; then
+  # The hot path is tested on both ends of uvicorn's pinned range: the installed (newest)
+  # release and, from this folder, the oldest (tests/unit/test_uvicorn_range.py).
+  lowest="$(sed -n 's/.*"uvicorn>=\([0-9.]*\),<.*/\1/p' pyproject.toml)"
+  rm -rf "$venv/uvicorn-lowest"
+  "${pip[@]}" install -q --no-deps --target "$venv/uvicorn-lowest" "uvicorn==$lowest"
+fi
+
 echo "$stamp" > "$stamp_file"
 echo "==> ready: $venv/bin/gateway"
