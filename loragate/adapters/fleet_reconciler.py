@@ -194,8 +194,8 @@ class FleetReconciler:
 
 
 def _entry_matches(entry: ManifestEntry, desired: DesiredAdapter) -> bool:
-    if entry.source != desired.source or entry.follow != desired.follow:
+    if entry.provenance.source != desired.source or entry.follow != desired.follow:
         return False
-    if desired.revision is not None and entry.revision != desired.revision:
+    if desired.revision is not None and entry.provenance.revision != desired.revision:
         return False
     return desired.digest is None or entry.active.startswith(desired.digest)

@@ -83,14 +83,15 @@ class AdapterFollower:
         entry = self._manager.manifest.entries.get(name)
         if entry is None or not entry.follow:
             return False
-        marker = await asyncio.to_thread(self._fingerprint, entry.source, entry.revision)
-        if marker is None or marker == entry.fingerprint:
+        origin = entry.provenance
+        marker = await asyncio.to_thread(self._fingerprint, origin.source, origin.revision)
+        if marker is None or marker == origin.fingerprint:
             return False
         if name in self.skipped and self.skipped[name][0] == marker:
             return False  # this version already failed; wait for the next one
-        log.info("follow: %s changed at %s; updating", name, redact_urls(entry.source))
+        log.info("follow: %s changed at %s; updating", name, redact_urls(origin.source))
         try:
-            await self._manager.put(name, entry.source, entry.revision, follow=True)
+            await self._manager.put(name, origin.source, origin.revision, follow=True)
         except AdapterError as exc:
             self.skipped[name] = (marker, str(exc))
             log.warning(

@@ -3,34 +3,36 @@
 Each adapter version is loaded into the engine under its own engine id (``name@<hash12>``);
 the public name routes to the active one. A swap loads the new version first, then flips the
 route, then unloads the old version once its in-flight requests have drained, so no request
-fails or moves between versions. Operations on one name are serialized; a failure before the
-flip changes nothing. Base-model requests can be routed through an all-zero adapter (see
-``zero_adapter``) so that no request ever runs without a LoRA slot on the CPU build.
+fails or moves between versions (the engine side of it: ``engine_versions``). Operations on
+one name are serialized; a failure before the flip changes nothing. Base-model requests can be
+routed through an all-zero adapter (see ``zero_adapter``) so that no request ever runs without
+a LoRA slot on the CPU build.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loragate.adapters.downloads import redact_urls
+from loragate.adapters.engine_versions import EngineVersions, engine_id
 from loragate.adapters.errors import AdapterError
 from loragate.adapters.follow import AdapterFollower
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
-from loragate.adapters.progress import ProgressBoard, report_stage
+from loragate.adapters.pipeline import PreparedVersion
+from loragate.adapters.progress import ProgressBoard
+from loragate.adapters.provenance import Provenance
 from loragate.adapters.routing import RoutingTable
 from loragate.adapters.stats import AdapterStats
-from loragate.adapters.store import AdapterStore, StoredAdapter, TamperedAdapterError
+from loragate.adapters.store import AdapterStore, TamperedAdapterError
 from loragate.adapters.store_watch import StoreWatch
 from loragate.adapters.zero_adapter import write_zero_adapter
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
@@ -41,26 +43,14 @@ log = logging.getLogger("loragate.adapters")
 ZERO_ADAPTER_NAME = "__base__"
 
 
-@dataclass(frozen=True)
-class PreparedVersion:
-    stored: StoredAdapter
-    source: str
-    revision: str | None
-    fingerprint: str | None
-
-
 Preparer = Callable[[str, str | None], Awaitable[PreparedVersion]]
-
-
-def engine_id(name: str, digest: str) -> str:
-    return f"{name}@{digest[:12]}"
 
 
 def _check_pin(prepared: PreparedVersion, digest: str | None) -> None:
     if digest is not None and not prepared.stored.digest.startswith(digest):
         raise AdapterError(
-            f"{redact_urls(prepared.source)} is version {prepared.stored.digest[:12]}, not the "
-            f"pinned {digest}",
+            f"{redact_urls(prepared.provenance.source)} is version "
+            f"{prepared.stored.digest[:12]}, not the pinned {digest}",
             status=409,
             code="digest_mismatch",
         )
@@ -84,21 +74,24 @@ class AdapterManager:
     ) -> None:
         self.store = store
         self.manifest = manifest
-        self._engine = engine
-        self._supervisor = supervisor
         self.base_name = base_name
         self._prepare = prepare
-        self._drain_timeout = drain_timeout
-        self._ready_timeout = ready_timeout
         self.routes = RoutingTable()
         self._public: tuple[str, ...] = ()
         self._public_for: tuple[str, ...] | None = None
-        self._loaded: set[str] = set()
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._tasks: set[asyncio.Task[None]] = set()
         self.failures: dict[str, str] = {}
         self.counters: defaultdict[str, int] = defaultdict(int)
-        self.last_load_seconds: float | None = None
+        self.engine_versions = EngineVersions(
+            store=store,
+            engine=engine,
+            supervisor=supervisor,
+            routes=self.routes,
+            locks=self._locks,
+            counters=self.counters,
+            drain_timeout=drain_timeout,
+            ready_timeout=ready_timeout,
+        )
         self.progress = ProgressBoard()  # how far each add has come (admin API, status page)
         self._zero_dir: Path | None = None
         self.base_engine_id = base_name
@@ -129,7 +122,7 @@ class AdapterManager:
             load_failures=count["load_failures"],
             unloads=count["unloads"],
             store_repairs=count["store_repairs"],
-            last_load_seconds=self.last_load_seconds,
+            last_load_seconds=self.engine_versions.last_load_seconds,
             served=max(0, len(self.public_models()) - 1),
             store_bytes=store_bytes,
             store_evictions=self.store.evictions,
@@ -152,7 +145,8 @@ class AdapterManager:
 
     @property
     def all_loaded(self) -> bool:
-        served = self._loaded | {self.base_name}  # the base model itself needs no loading
+        # The base model itself needs no loading.
+        served = self.engine_versions.loaded | {self.base_name}
         return not self.failures and self.routes.engine_ids() <= served
 
     # ----- what the supervisor asks ----------------------------------------------------------
@@ -176,18 +170,16 @@ class AdapterManager:
 
     async def on_engine_ready(self) -> None:
         """Re-apply the desired state to a freshly booted engine (ready hook)."""
-        served = await self._engine.served_ids()
-        self._loaded = {eid for eid in served if eid != self.base_name}
-        if self._zero_dir is not None and self.base_engine_id not in self._loaded:
-            await self._engine.load_adapter(self.base_engine_id, self._zero_dir)
-            self._loaded.add(self.base_engine_id)
+        versions = self.engine_versions
+        await versions.adopt_served(self.base_name)
+        if self._zero_dir is not None:
+            await versions.load_at_boot(self.base_engine_id, self._zero_dir)
         for entry in list(self.manifest.entries.values()):
             eid = engine_id(entry.name, entry.active)
             try:
-                if eid not in self._loaded:
-                    stored = await self._verified(entry.active)
-                    await self._engine.load_adapter(eid, stored.path)
-                    self._loaded.add(eid)
+                if eid not in versions.loaded:
+                    stored = await versions.verified(entry.active)
+                    await versions.load_at_boot(eid, stored.path)
                 self.routes.route(entry.name, eid)
                 self.failures.pop(entry.name, None)
             except (AdapterError, EngineRefused, EngineUnavailable) as exc:
@@ -206,10 +198,8 @@ class AdapterManager:
         self.manifest.entries[name] = ManifestEntry(
             name=name,
             active=prepared.stored.digest,
+            provenance=prepared.provenance,
             previous=entry.active if entry else None,
-            source=source,
-            revision=prepared.revision,
-            fingerprint=prepared.fingerprint,
         )
         self.manifest.save()
 
@@ -250,13 +240,11 @@ class AdapterManager:
                 )
             if entry.previous is None:
                 raise AdapterError(f"adapter {name!r} has no previous version to roll back to", 409)
-            stored = await self._verified(entry.previous)
-            prepared = PreparedVersion(
-                stored=stored,
-                source=str(stored.meta.get("source", entry.source)),
-                revision=stored.meta.get("revision"),
-                fingerprint=stored.meta.get("fingerprint"),
-            )
+            stored = await self.engine_versions.verified(entry.previous)
+            # Where the version came from, as stored with it (the manifest only keeps the
+            # active version's); hashed just now, so it loads without hashing again.
+            provenance = stored.provenance or Provenance(entry.provenance.source)
+            prepared = PreparedVersion(stored, provenance, verified=True)
             await self._activate(name, prepared, follow=entry.follow)
             return self.describe(name)
 
@@ -274,7 +262,7 @@ class AdapterManager:
             self.manifest.save()
             self.failures.pop(name, None)
             if old is not None:
-                self._retire(name, old)
+                self.engine_versions.retire(name, old)
         self.follower.sync()
 
     def describe(self, name: str) -> dict[str, Any]:
@@ -283,7 +271,7 @@ class AdapterManager:
         eid = engine_id(name, entry.active)
         if name in self.failures:
             state = "failed"
-        elif self.routes.get(name) == eid and eid in self._loaded:
+        elif self.routes.get(name) == eid and eid in self.engine_versions.loaded:
             state = "ready"
         else:
             state = "loading"
@@ -291,8 +279,8 @@ class AdapterManager:
             "name": name,
             "version": entry.active,
             "previous_version": entry.previous,
-            "source": redact_urls(entry.source),
-            "revision": entry.revision,
+            "source": redact_urls(entry.provenance.source),
+            "revision": entry.provenance.revision,
             "follow": entry.follow,
             "rank": stored.meta.get("rank") if stored else None,
             "size_bytes": stored.size if stored else None,
@@ -308,11 +296,7 @@ class AdapterManager:
     async def aclose(self) -> None:
         await self.follower.aclose()
         await self.store_watch.aclose()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self.engine_versions.aclose()
 
     # ----- internals ----------------------------------------------------------------------------
 
@@ -324,55 +308,12 @@ class AdapterManager:
         if name == self.base_name:
             raise AdapterError(f"{name!r} is the base model's name; choose another adapter name")
 
-    async def _verified(self, digest: str) -> StoredAdapter:
-        """The stored version ``digest``, its files checked against their digests.
-
-        Hashing a large adapter takes a while (about 0.3 s per 200 MB here): in a thread, so
-        streams keep flowing meanwhile.
-        """
-        return await asyncio.to_thread(self._stored, digest)
-
-    def _stored(self, digest: str) -> StoredAdapter:
-        stored = self.store.get(digest)
-        if stored is None:
-            raise AdapterError(f"version {digest[:12]} is no longer in the adapter store", 409)
-        try:
-            self.store.verify(stored)
-        except TamperedAdapterError as exc:
-            raise AdapterError(str(exc), status=409, code="adapter_tampered") from None
-        return stored
-
     async def _activate(self, name: str, prepared: PreparedVersion, follow: bool) -> None:
         """Load ``prepared`` under its own engine id, flip the route, retire the old version."""
         digest = prepared.stored.digest
         eid = engine_id(name, digest)
-        stored = await self._verified(digest)
-        try:
-            await self._supervisor.wait_until_serving(self._ready_timeout)
-        except EngineUnavailable as exc:
-            raise AdapterError(str(exc), status=503, code="engine_unavailable") from None
-        started = time.perf_counter()
-        report_stage("load")
-        if eid not in self._loaded:
-            try:
-                await self._engine.load_adapter(eid, stored.path)
-            except EngineRefused as exc:
-                self.counters["load_failures"] += 1
-                raise AdapterError(
-                    exc.detail, status=400, code="adapter_refused_by_engine"
-                ) from None
-            except EngineUnavailable as exc:
-                # The engine died under the load: nothing changed here; the version is in the
-                # store, so asking again once the engine is back is cheap.
-                self.counters["load_failures"] += 1
-                raise AdapterError(
-                    f"{exc}; the adapter was not swapped: try again once the engine is ready",
-                    status=503,
-                    code="engine_unavailable",
-                ) from None
-            self._loaded.add(eid)
-            self.counters["loads"] += 1
-        self.last_load_seconds = time.perf_counter() - started
+        stored = await self.engine_versions.verified(digest, hash_files=not prepared.verified)
+        await self.engine_versions.load(eid, stored.path)
         previous_entry = self.manifest.entries.get(name)
         old_eid = self.routes.get(name) if name in self.routes.public_names() else None
         if previous_entry is not None and previous_entry.active != digest:
@@ -382,11 +323,9 @@ class AdapterManager:
         self.manifest.entries[name] = ManifestEntry(
             name=name,
             active=digest,
+            provenance=prepared.provenance,
             previous=previous_digest,
-            source=prepared.source,
-            revision=prepared.revision,
             follow=follow,
-            fingerprint=prepared.fingerprint,
             loaded_at=time.time(),
         )
         try:
@@ -401,39 +340,7 @@ class AdapterManager:
         self.failures.pop(name, None)
         if old_eid is not None and old_eid != eid:
             self.counters["swaps"] += 1
-            self._retire(name, old_eid)
+            self.engine_versions.retire(name, old_eid)
         # Store bookkeeping reads and writes files (eviction: every version's metadata).
         await asyncio.to_thread(self.store.touch, stored)
-        await asyncio.to_thread(self.store.evict, self._protected_digests())
-
-    def _protected_digests(self) -> set[str]:
-        keep: set[str] = set()
-        for entry in self.manifest.entries.values():
-            keep.add(entry.active)
-            if entry.previous:
-                keep.add(entry.previous)
-        return keep
-
-    def _retire(self, name: str, old_eid: str) -> None:
-        task = asyncio.create_task(self._unload_when_drained(name, old_eid))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _unload_when_drained(self, name: str, old_eid: str) -> None:
-        drained = await self.routes.wait_drained(old_eid, self._drain_timeout)
-        if not drained:
-            log.warning(
-                "unloading %s with requests still in flight after %.0f s",
-                old_eid,
-                self._drain_timeout,
-            )
-        async with self._locks[name]:
-            if old_eid in self.routes.engine_ids() or old_eid not in self._loaded:
-                return  # routed again meanwhile (a swap back), or already gone
-            try:
-                await self._engine.unload_adapter(old_eid)
-            except (EngineRefused, EngineUnavailable, OSError) as exc:
-                log.warning("could not unload %s: %s", old_eid, exc)
-                return
-            self._loaded.discard(old_eid)
-            self.counters["unloads"] += 1
+        await asyncio.to_thread(self.store.evict, self.manifest.versions_in_use())

@@ -12,24 +12,48 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from loragate.adapters.provenance import RECORD_KEYS, Provenance
 
 log = logging.getLogger("loragate.adapters")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ManifestEntry:
     name: str
     active: str
-    source: str
+    provenance: Provenance  # where ``active`` came from; follow mode fetches from it again
     previous: str | None = None
-    revision: str | None = None
     follow: bool = False
-    fingerprint: str | None = None
     loaded_at: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        """The entry as the manifest file holds it: the provenance's keys flat among the rest."""
+        return {
+            "name": self.name,
+            "active": self.active,
+            **self.provenance.to_record(),
+            "previous": self.previous,
+            "follow": self.follow,
+            "loaded_at": self.loaded_at,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> ManifestEntry:
+        """Read what ``to_record`` (or any earlier loragate) wrote; ``ValueError`` if damaged."""
+        unknown = set(record) - _FIELDS - set(RECORD_KEYS)
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}")
+        own = {key: value for key, value in record.items() if key in _FIELDS}
+        return cls(**own, provenance=Provenance.from_record(record))
+
+
+_FIELDS = {f.name for f in fields(ManifestEntry)} - {"provenance"}
 
 
 class Manifest:
@@ -63,8 +87,8 @@ class Manifest:
         self.entries = {}
         for name, record in records.items():
             try:
-                self.entries[name] = ManifestEntry(**record)
-            except TypeError as exc:
+                self.entries[name] = ManifestEntry.from_record(record)
+            except (TypeError, ValueError) as exc:
                 log.error("adapter manifest %s: skipping entry %r: %s", self.path, name, exc)
         return self
 
@@ -73,7 +97,7 @@ class Manifest:
         tmp = self.path.with_suffix(".tmp")
         payload = {
             "version": 1,
-            "adapters": {n: asdict(e) for n, e in sorted(self.entries.items())},
+            "adapters": {n: e.to_record() for n, e in sorted(self.entries.items())},
         }
         # Owner-only: sources may carry credentials (signed URLs), needed to fetch again.
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
@@ -83,5 +107,15 @@ class Manifest:
         os.chmod(tmp, 0o600)  # an older manifest may have left a wider tmp file
         os.replace(tmp, self.path)
 
+    def versions_in_use(self) -> set[str]:
+        """Every active and previous version: the store must keep them (rollback needs both)."""
+        keep: set[str] = set()
+        for entry in self.entries.values():
+            keep.add(entry.active)
+            if entry.previous:
+                keep.add(entry.previous)
+        return keep
+
     def snapshot(self) -> dict[str, ManifestEntry]:
-        return {name: ManifestEntry(**asdict(entry)) for name, entry in self.entries.items()}
+        """A copy of the entries, to compare with later (entries are frozen; ``extra`` is not)."""
+        return {name: replace(e, extra=dict(e.extra)) for name, e in self.entries.items()}

@@ -12,9 +12,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loragate.adapters.manager import AdapterError, PreparedVersion
+from loragate.adapters.errors import AdapterError
 from loragate.adapters.progress import report_stage
-from loragate.adapters.store import AdapterStore, StoreError, tree_digest
+from loragate.adapters.provenance import Provenance
+from loragate.adapters.store import AdapterStore, StoredAdapter, StoreError, tree_digest
+
+
+@dataclass(frozen=True)
+class PreparedVersion:
+    """A version in the store, ready to load, and where it came from."""
+
+    stored: StoredAdapter
+    provenance: Provenance
+    # True when its files were hashed just now (stored, or found intact in the store): the
+    # manager loads it without hashing them again. Versions read back from disk later (a
+    # rollback, a restart) are verified before they load.
+    verified: bool = False
 
 
 @dataclass
@@ -59,12 +72,7 @@ class AdapterPipeline:
                     known = self.store.converted_from(source_digest)
                     if known is not None:
                         self.store.touch(known)
-                        return PreparedVersion(
-                            stored=known,
-                            source=source,
-                            revision=fetched.revision,
-                            fingerprint=fetched.fingerprint,
-                        )
+                        return PreparedVersion(known, fetched.provenance, verified=True)
                     peft_dir = work / "converted"
                     report_stage("conversion")
                     convert_in_subprocess(fetched.path, peft_dir, self.base_dir)
@@ -79,9 +87,7 @@ class AdapterPipeline:
                     f"adapter from {source} rejected: {exc}", code="adapter_conversion_failed"
                 ) from None
             meta = {
-                "source": source,
-                "revision": fetched.revision,
-                "fingerprint": fetched.fingerprint,
+                **fetched.provenance.to_record(),
                 "format": fmt,
                 "rank": facts.rank,
                 "target_modules": sorted(facts.target_modules),
@@ -93,11 +99,6 @@ class AdapterPipeline:
                 raise AdapterError(str(exc), code="adapter_store_error") from None
             if source_digest is not None:
                 self.store.remember_conversion(source_digest, stored)
-            return PreparedVersion(
-                stored=stored,
-                source=source,
-                revision=fetched.revision,
-                fingerprint=fetched.fingerprint,
-            )
+            return PreparedVersion(stored, fetched.provenance, verified=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loragate.adapters.provenance import Provenance
+
 log = logging.getLogger("loragate.adapters")
 
 META_FILENAME = ".loragate.json"
@@ -55,6 +57,14 @@ class StoredAdapter:
     @property
     def short(self) -> str:
         return self.digest[:12]
+
+    @property
+    def provenance(self) -> Provenance | None:
+        """Where this version was first stored from; None if it was stored without one."""
+        try:
+            return Provenance.from_record(self.meta)
+        except ValueError:
+            return None
 
 
 def file_digest(path: Path) -> str:

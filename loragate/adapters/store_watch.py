@@ -102,11 +102,12 @@ class StoreWatch:
         entry = manager.manifest.entries.get(name)
         if entry is None:
             return True
-        shown = redact_urls(entry.source)
+        shown = redact_urls(entry.provenance.source)
         log.error("adapter %s: %s; storing it again from %s", name, problem, shown)
         manager.counters["store_repairs"] += 1
         try:
-            await manager.put(name, entry.source, entry.revision, follow=entry.follow)
+            origin = entry.provenance
+            await manager.put(name, origin.source, origin.revision, follow=entry.follow)
         except AdapterError as exc:
             manager.failures[name] = (
                 f"{problem}; it could not be stored again from {shown} ({exc}): "

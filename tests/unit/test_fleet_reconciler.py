@@ -13,7 +13,8 @@ import pytest
 from loragate.adapters.errors import AdapterError
 from loragate.adapters.fleet_manifest import FleetManifestError
 from loragate.adapters.fleet_reconciler import FleetReconciler
-from loragate.adapters.manager import PreparedVersion
+from loragate.adapters.pipeline import PreparedVersion
+from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore
 from tests.unit.test_manager_event_loop import adapter_source, make_manager
 
@@ -40,7 +41,7 @@ class Fleet:
         self.prepared.append(source)
         if source in self.failing:
             raise self.failing[source]
-        return PreparedVersion(self.versions[source], source, revision, None)
+        return PreparedVersion(self.versions[source], Provenance(source, revision))
 
     def _fetch(self, source: str) -> bytes:
         if isinstance(self.data, Exception):

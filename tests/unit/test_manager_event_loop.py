@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
-from loragate.adapters.manager import AdapterManager, PreparedVersion
+from loragate.adapters.manager import AdapterManager
 from loragate.adapters.manifest import Manifest
+from loragate.adapters.pipeline import PreparedVersion
+from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore, StoredAdapter
 
 BIG = 200 * 1024 * 1024
@@ -66,7 +68,7 @@ def make_manager(
     """A manager whose sources are names in ``versions`` (already stored)."""
 
     async def prepare(source: str, revision: str | None) -> PreparedVersion:
-        return PreparedVersion(versions[source], source, revision, None)
+        return PreparedVersion(versions[source], Provenance(source, revision))
 
     engine = QuietEngine()
     manager = AdapterManager(
@@ -122,7 +124,7 @@ async def test_a_swap_rollback_and_reapply_verify_a_200_mb_adapter_off_the_loop(
     assert manager.manifest.entries["vast"].active == big.digest
 
     engine.loaded.clear()
-    manager._loaded.clear()  # a fresh engine boot: everything is loaded again
+    manager.engine_versions.loaded.clear()  # a fresh engine boot: everything is loaded again
     stall = await longest_stall(manager.on_engine_ready)
     assert stall < max_stall, f"re-applying a 200 MB adapter stalled the loop {stall:.2f} s"
     assert [path.name for path in engine.loaded.values()] == [big.digest]

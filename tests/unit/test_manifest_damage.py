@@ -31,7 +31,7 @@ def test_a_garbled_manifest_is_set_aside_and_the_gateway_starts_empty(
     assert not path.exists()
     assert "is damaged" in caplog.text and aside[0].name in caplog.text
     # The next save writes a good manifest in its place.
-    manifest.entries["fox"] = ManifestEntry(**GOOD)
+    manifest.entries["fox"] = ManifestEntry.from_record(GOOD)
     manifest.save()
     assert Manifest(path).load().entries["fox"].active == GOOD["active"]
 

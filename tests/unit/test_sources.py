@@ -73,7 +73,7 @@ def test_local_directory_is_used_in_place_with_a_fingerprint(
     fetched = fetch_source(str(adapter_dir), tmp_path / "dest")
     assert fetched.path == adapter_dir.resolve()
     assert fetched.kind == "local"
-    assert fetched.fingerprint == source_fingerprint(str(adapter_dir))
+    assert fetched.provenance.fingerprint == source_fingerprint(str(adapter_dir))
     assert not (tmp_path / "dest").exists()
 
 
@@ -272,7 +272,7 @@ def test_https_archive_is_downloaded_unpacked_and_its_etag_recorded(
     fetched = fetch_source(url, tmp_path / "work" / "dest", progress=False)
     assert fetched.kind == "url"
     assert fetched.etag == archive_server.etag("/adapter.tar.gz")
-    assert fetched.fingerprint == fetched.etag == source_fingerprint(url)
+    assert fetched.provenance.fingerprint == fetched.etag == source_fingerprint(url)
     assert (fetched.path / "adapter_config.json").is_file()
     assert [p.name for p in (tmp_path / "work").iterdir()] == ["dest"]  # no .part left
 
@@ -384,7 +384,11 @@ def test_hf_source_pins_the_revision_and_reports_the_commit(
     fetched = fetch_source("hf://acme/lora@v1.2", tmp_path / "dest", progress=False)
     assert fake_hub[0]["repo_id"] == "acme/lora"
     assert fake_hub[0]["revision"] == "v1.2"
-    assert (fetched.commit, fetched.revision, fetched.fingerprint) == (SHA, SHA, SHA)
+    assert (fetched.commit, fetched.provenance.revision, fetched.provenance.fingerprint) == (
+        SHA,
+        SHA,
+        SHA,
+    )
     assert fetched.path == tmp_path / "dest"
     copied = fetched.path / "adapter_config.json"
     assert copied.is_file() and not copied.is_symlink()
@@ -493,7 +497,7 @@ def test_tinker_source_through_an_sdk_with_the_archive_method(
     assert asked == ["tinker://run-1/sampler_weights/final"]
     assert detect_format(fetched.path) == "tinker"
     assert (fetched.path / "checkpoint_complete").exists()
-    assert fetched.revision == "tinker://run-1/sampler_weights/final"
+    assert fetched.provenance.revision == "tinker://run-1/sampler_weights/final"
 
 
 TINKER_BASE = "http://tinker.test"
@@ -551,8 +555,8 @@ def test_tinker_latest_sampler_checkpoint_is_fetched_through_the_real_sdk(
         )
         marker = source_fingerprint("tinker://run-1/sampler_weights/latest")
     assert archive_route.calls.last.request.headers["X-API-Key"] == "tml-test-key"
-    assert fetched.revision == "tinker://run-1/sampler_weights/000020"
-    assert fetched.fingerprint == marker
+    assert fetched.provenance.revision == "tinker://run-1/sampler_weights/000020"
+    assert fetched.provenance.fingerprint == marker
     assert marker is not None and marker.startswith(
         "tinker://run-1/sampler_weights/000020@2026-01-02"
     )

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from loragate.adapters.manager import AdapterError, AdapterManager, PreparedVersion
+from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.manifest import Manifest
+from loragate.adapters.pipeline import PreparedVersion
 from loragate.adapters.progress import AddProgress, report_bytes, report_stage
+from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore
 from loragate.gateway.log_tail import engine_lines, gateway_lines, merged
 from loragate.gateway.traffic import RecentTraffic
@@ -45,7 +47,7 @@ async def test_an_add_reports_each_stage_and_its_bytes_from_the_pipelines_thread
         report_stage("validation")
         seen.append(manager.progress.get("sleepy").as_dict())  # type: ignore[union-attr]
         stored = manager.store.put_dir(adapter_source(tmp_path / "src", 1024, "sleepy"))
-        return PreparedVersion(stored, source, None, None)
+        return PreparedVersion(stored, Provenance(source))
 
     async def prepare(source: str, revision: str | None) -> PreparedVersion:
         return await asyncio.to_thread(work, source)

@@ -9,6 +9,7 @@ from typing import Any
 
 from loragate.adapters.manager import AdapterError
 from loragate.adapters.manifest import Manifest, ManifestEntry
+from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore
 from loragate.adapters.store_watch import StoreWatch
 
@@ -42,7 +43,7 @@ def live_adapter(manager: FakeManager, tmp_path: Path, name: str) -> Path:
     (source / "adapter_model.safetensors").write_bytes(b"weights of " + name.encode())
     stored = manager.store.put_dir(source)
     manager.manifest.entries[name] = ManifestEntry(
-        name=name, active=stored.digest, source=str(source)
+        name=name, active=stored.digest, provenance=Provenance(str(source))
     )
     return stored.path / "adapter_model.safetensors"
 
