@@ -26,7 +26,8 @@ from loragate.gateway.auth import KeyConfigError, check_key_settings
 from loragate.gateway.backend import GatewayBackend
 from loragate.gateway.cross_site import is_loopback
 from loragate.gateway.errors import OpenAIError, install_error_handlers
-from loragate.gateway.inference_backend import InferenceBackend, as_gateway_backend
+from loragate.gateway.inference_adapter import as_gateway_backend
+from loragate.gateway.inference_backend import InferenceBackend
 from loragate.gateway.log_tail import recent_gateway_log
 from loragate.gateway.metrics import RequestObserver, route_path
 from loragate.gateway.openapi_schemas import install_openapi

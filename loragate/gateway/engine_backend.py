@@ -33,8 +33,8 @@ from loragate.gateway.engine_metrics import scrape_engine_metrics
 from loragate.gateway.engine_names import AnyVersionRename
 from loragate.gateway.engine_plan import plan_engine, timings_from
 from loragate.gateway.errors import OpenAIError, model_not_found
-from loragate.gateway.media import ENGINE_MEDIA_ARGS, engine_media_env
 from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable
+from loragate.gateway.requests.media import ENGINE_MEDIA_ARGS, engine_media_env
 from loragate.gateway.resend import ResendBudget
 from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.settings import Settings

@@ -13,8 +13,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from loragate.gateway.chat_request import HF_TO_OPENAI, ROLES
-from loragate.gateway.parameters import MAX_LOGPROBS, MAX_N
+from loragate.gateway.requests.chat import ROLES
+from loragate.gateway.requests.parameters import MAX_LOGPROBS, MAX_N
+from loragate.gateway.requests.vi import HF_TO_OPENAI
 
 Schema = dict[str, Any]
 

@@ -30,7 +30,7 @@ from loragate.gateway.engine_routes import ENGINE_ROUTES, EngineRoute
 from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.metrics import current_observation
 from loragate.gateway.request_body import check_declared_length, read_json_object, too_large
-from loragate.gateway.responses_request import check_responses_request
+from loragate.gateway.requests.responses import check_responses_request
 from loragate.gateway.routes_inference import admit, target_model
 from loragate.gateway.runtime import Gateway
 

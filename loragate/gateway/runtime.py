@@ -8,11 +8,11 @@ from typing import Any
 from loragate.gateway.admin_token import new_admin_token
 from loragate.gateway.auth import HasHeaders, KeyChecker
 from loragate.gateway.backend import GatewayBackend
-from loragate.gateway.chat_request import normalize_chat_request
 from loragate.gateway.cross_site import CrossSitePolicy, is_loopback
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.metrics import GatewayMetrics
-from loragate.gateway.parameters import Route, check_parameters
+from loragate.gateway.requests.chat import normalize_chat_request
+from loragate.gateway.requests.parameters import Route, check_parameters
 from loragate.settings import Settings
 
 # Headers a reverse proxy adds: their presence means the client is not the peer we see.

@@ -33,7 +33,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis.errors import Unsatisfiable
 
-from loragate.gateway.parameters import MAX_N
+from loragate.gateway.requests.parameters import MAX_N
 from tests.conftest import PHRASES
 from tests.gateway_process import ADMIN_KEY, GatewayProcess
 

@@ -237,7 +237,7 @@ REFUSALS: dict[str, Refusal] = {
     ),
 }
 
-# Generation parameters the gateway checks itself (loragate.gateway.parameters).
+# Generation parameters the gateway checks itself (loragate.gateway.requests.parameters).
 PARAMETER_REFUSALS: dict[str, Refusal] = {
     "stream-not-bool": Refusal(_chat(stream="yes"), 400, "invalid_type", "'stream' must be true"),
     "temperature-string": Refusal(

@@ -13,14 +13,10 @@ import orjson
 import pytest
 from PIL import Image
 
-from loragate.gateway import chat_request, media
-from loragate.gateway.chat_request import (
-    ChatRequest,
-    config_takes_images,
-    model_takes_images,
-    normalize_chat_request,
-)
 from loragate.gateway.errors import OpenAIError
+from loragate.gateway.requests import media, media_files
+from loragate.gateway.requests.chat import ChatRequest, normalize_chat_request
+from loragate.gateway.requests.vision_model import config_takes_images, model_takes_images
 from loragate.settings import Settings
 
 
@@ -254,7 +250,7 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         paths.append(str(path))
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(media.os, "open", spy)
+    monkeypatch.setattr(media_files.os, "open", spy)
     return paths
 
 
@@ -416,7 +412,7 @@ async def test_image_urls_naming_this_machine_or_a_private_network_are_refused(
         return ["127.0.0.1"]
 
     monkeypatch.setattr(
-        chat_request,
+        media,
         "_media_policy",
         lambda *args: media.MediaPolicy(
             *args, resolver=resolver, transport=httpx.MockTransport(answer)

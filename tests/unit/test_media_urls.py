@@ -21,10 +21,10 @@ import httpx
 import pytest
 from PIL import Image
 
-from loragate.gateway import chat_request, media
-from loragate.gateway.chat_request import ChatRequest, normalize_chat_request
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.media import MediaPolicy
+from loragate.gateway.requests import media, media_pools
+from loragate.gateway.requests.chat import ChatRequest, normalize_chat_request
+from loragate.gateway.requests.media import MediaPolicy
 from loragate.settings import Settings
 
 
@@ -123,7 +123,7 @@ def inject(
     def policy(*args: Any) -> MediaPolicy:
         return MediaPolicy(*args, resolver=resolver, transport=transport)
 
-    monkeypatch.setattr(chat_request, "_media_policy", policy)
+    monkeypatch.setattr(media, "_media_policy", policy)
 
 
 def image_request(*urls: str, kind: str = "image_url") -> dict[str, Any]:
@@ -192,7 +192,7 @@ async def test_names_resolving_to_forbidden_addresses_are_refused_before_any_con
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     never = RecordingTransport()
     monkeypatch.setattr(
-        chat_request,
+        media,
         "_media_policy",
         lambda *args: MediaPolicy(*args, transport=never),
     )
@@ -412,7 +412,7 @@ async def test_images_are_decoded_in_a_bounded_pool_of_their_own(
     await normalize_chat_request(image_request(PNG_URI, PNG_URI), settings)
     assert len(threads) == 2
     assert all(name.startswith("loragate-media") for name in threads), threads
-    assert media._pool("media")._max_workers <= 4
+    assert media_pools.pool("media")._max_workers <= 4
 
 
 async def test_images_fetched_for_one_request_count_against_its_body_cap(

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from loragate.gateway.chat_request import media_policy_of
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.media import ImageBudget, MediaPolicy
+from loragate.gateway.requests.image_limits import ImageBudget
+from loragate.gateway.requests.media import MediaPolicy, media_policy_of
 from loragate.settings import Settings
 
 _MEDIA_URL_FIELDS = ("image_url", "audio_url", "video_url", "file_url")

@@ -1,0 +1,302 @@
+"""Serving a custom ``InferenceBackend`` as the ``GatewayBackend`` the routes talk to.
+
+``InferenceBackendAdapter`` builds OpenAI ``chat.completion`` bodies (always with ``usage``)
+and ``chat.completion.chunk`` server-sent events (``inference_events``), and gives ``n``,
+``stop`` and ``stream_options.include_usage`` OpenAI's meaning whatever the backend does with
+them (``inference_parameters``). A Vi request reaches the backend's Vi entry points.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.responses import Response, StreamingResponse
+
+from loragate.gateway.backend import GatewayBackend
+from loragate.gateway.errors import OpenAIError
+from loragate.gateway.inference_backend import GenerationResult, InferenceBackend
+from loragate.gateway.inference_events import ChunkEvents, openai_usage
+from loragate.gateway.inference_parameters import (
+    StopScanner,
+    cut_at_stop,
+    generation_config_of,
+    stop_strings,
+)
+from loragate.gateway.requests.chat import ChatRequest
+from loragate.gateway.requests.vi import ViRequest
+
+log = logging.getLogger("loragate.gateway")
+
+_UNSUPPORTED = ("tools", "functions", "logprobs", "top_logprobs")
+
+
+def _prompt_text(messages: list[dict[str, Any]]) -> str:
+    texts: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            ]
+    return "\n".join(texts)
+
+
+def _backend_error(exc: Exception) -> OpenAIError:
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, NotImplementedError):
+        return OpenAIError(
+            400, f"This backend cannot do that: {exc or 'not implemented'}", code="not_supported"
+        )
+    if isinstance(exc, ValueError):  # Vi backends' way of saying "bad request"
+        return OpenAIError(400, str(exc), code="invalid_request")
+    log.exception("the inference backend failed", exc_info=exc)
+    return OpenAIError(
+        500, f"The backend failed: {type(exc).__name__}: {exc}", code="backend_error"
+    )
+
+
+@dataclass
+class _Call:
+    """One request, ready to hand to the backend."""
+
+    vi: ViRequest | None
+    messages: list[dict[str, Any]]
+    response_format: dict[str, Any] | None
+    generation_config: dict[str, Any]
+    kwargs: dict[str, Any]
+    n: int
+    stops: list[str]
+    include_usage: bool
+
+
+class InferenceBackendAdapter:
+    """Serves an ``InferenceBackend`` as the ``GatewayBackend`` the routes talk to."""
+
+    def __init__(self, backend: InferenceBackend) -> None:
+        self.backend = backend
+
+    async def start(self) -> None:
+        await self.backend.start()
+
+    async def stop(self) -> None:
+        await self.backend.stop()
+
+    def model_ids(self) -> list[str]:
+        return list(self.backend.available_models())
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        try:
+            models = self.model_ids()
+        except Exception as exc:
+            return False, {
+                "status": "failed",
+                "reason": f"the backend cannot list its models: {exc}",
+            }
+        if not models:
+            return False, {"status": "starting", "reason": "the backend lists no models yet"}
+        return True, {"status": "ok", "models": models}
+
+    async def forward(
+        self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
+    ) -> Response:
+        if path != "/v1/chat/completions":
+            raise OpenAIError(
+                404,
+                f"This gateway's backend serves /v1/chat/completions only, not {path}.",
+                code="not_supported",
+            )
+        call = self._call(payload, public_model)
+        headers = {"X-Request-ID": request_id}
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if stream:
+            events = ChunkEvents(completion_id, public_model, call.include_usage)
+            first_pieces = self._pieces(call)
+            try:
+                # Wait for the first piece: a failure before any output gets a proper status.
+                first = await anext(first_pieces, None)
+            except Exception as exc:
+                await first_pieces.aclose()
+                raise _backend_error(exc) from None
+            return StreamingResponse(
+                self._stream(call, events, first_pieces, first),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+            )
+        try:
+            results = [await self._generate(call) for _ in range(call.n)]
+        except Exception as exc:
+            raise _backend_error(exc) from None
+        body = {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": public_model,
+            "choices": [
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": result.text},
+                    "logprobs": None,
+                    "finish_reason": result.finish_reason,
+                }
+                for index, result in enumerate(results)
+            ],
+            "usage": openai_usage(
+                results[0].prompt_tokens, sum(r.completion_tokens for r in results)
+            ),
+        }
+        return Response(orjson.dumps(body), media_type="application/json", headers=headers)
+
+    # ----- one request -------------------------------------------------------------------
+
+    def _call(self, payload: dict[str, Any], public_model: str) -> _Call:
+        for field in _UNSUPPORTED:
+            if payload.get(field):
+                raise OpenAIError(
+                    400,
+                    f"'{field}' is not supported by this gateway's backend.",
+                    param=field,
+                    code="not_supported",
+                )
+        n = payload.get("n", 1)
+        if n is None:
+            n = 1
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
+            raise OpenAIError(
+                400, "'n' must be an integer from 1 to 128.", param="n", code="invalid_value"
+            )
+        options = payload.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        vi = payload.vi if isinstance(payload, ChatRequest) else None
+        kwargs: dict[str, Any] = {"model": public_model}
+        if vi is not None and vi.system_prompt:
+            kwargs["system_prompt"] = vi.system_prompt
+        return _Call(
+            vi=vi,
+            messages=payload["messages"],
+            response_format=payload.get("response_format"),
+            generation_config=generation_config_of(payload),
+            kwargs=kwargs,
+            n=n,
+            stops=stop_strings(payload.get("stop")),
+            include_usage=include_usage,
+        )
+
+    async def _generate(self, call: _Call) -> GenerationResult:
+        answer: Awaitable[GenerationResult | str]
+        if call.vi is not None:
+            answer = self.backend.generate_vi_format(
+                call.vi.source,
+                call.vi.user_prompt,
+                call.response_format,
+                dict(call.generation_config),
+                **call.kwargs,
+            )
+        else:
+            answer = self.backend.generate(
+                call.messages, call.response_format, dict(call.generation_config), **call.kwargs
+            )
+        result = await answer
+        if isinstance(result, str):
+            result = GenerationResult(result)
+        if not result.prompt_tokens:
+            result.prompt_tokens = self.backend.count_tokens(_prompt_text(call.messages))
+        if not result.completion_tokens:
+            result.completion_tokens = self.backend.count_tokens(result.text)
+        result.text, stopped = cut_at_stop(result.text, call.stops)
+        if stopped:
+            result.finish_reason = "stop"
+        return result
+
+    async def _pieces(self, call: _Call) -> AsyncGenerator[str, None]:
+        """The backend's stream for one choice: strings only, None skipped."""
+        if call.vi is not None:
+            pieces = self.backend.generate_stream_vi_format(
+                call.vi.source,
+                call.vi.user_prompt,
+                call.response_format,
+                dict(call.generation_config),
+                **call.kwargs,
+            )
+        else:
+            pieces = self.backend.generate_stream(
+                call.messages, call.response_format, dict(call.generation_config), **call.kwargs
+            )
+        try:
+            async for piece in pieces:
+                if piece is None:
+                    continue
+                yield piece if isinstance(piece, str) else str(piece)
+        finally:
+            closer = getattr(pieces, "aclose", None)
+            if closer is not None:
+                await closer()
+
+    async def _stream(
+        self,
+        call: _Call,
+        events: ChunkEvents,
+        first_pieces: AsyncGenerator[str, None],
+        first: str | None,
+    ) -> AsyncIterator[bytes]:
+        prompt_tokens = self.backend.count_tokens(_prompt_text(call.messages))
+        completion_tokens = 0
+        try:
+            for index in range(call.n):
+                pieces = _peeked(first, first_pieces) if index == 0 else self._pieces(call)
+                scanner = StopScanner(call.stops)
+                yield events.chunk(index, {"role": "assistant", "content": ""})
+                try:
+                    async for piece in pieces:
+                        completion_tokens += 1 if piece else 0
+                        text = scanner.feed(piece)
+                        if text:
+                            yield events.chunk(index, {"content": text})
+                        if scanner.stopped:
+                            break
+                finally:
+                    await pieces.aclose()
+                rest = scanner.flush()
+                if rest:
+                    yield events.chunk(index, {"content": rest})
+                yield events.chunk(index, {}, finish_reason="stop")
+            if call.include_usage:
+                yield events.usage(prompt_tokens, completion_tokens)
+            yield b"data: [DONE]\n\n"
+        except Exception as exc:
+            yield events.error(_backend_error(exc))
+
+
+async def _peeked(first: str | None, rest: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    """``rest`` with its already-taken first piece put back in front."""
+    try:
+        if first is not None:
+            yield first
+        async for piece in rest:
+            yield piece
+    finally:
+        await rest.aclose()
+
+
+def as_gateway_backend(backend: object) -> GatewayBackend:
+    """``backend`` as the routes need it: an ``InferenceBackend`` is wrapped, a ``GatewayBackend`` kept."""
+    if isinstance(backend, InferenceBackend):
+        return InferenceBackendAdapter(backend)
+    needed = ("start", "stop", "model_ids", "health", "forward")
+    if all(callable(getattr(backend, name, None)) for name in needed):
+        return backend  # type: ignore[return-value]
+    if inspect.isclass(backend):
+        raise TypeError(f"pass an instance of {backend.__name__}, not the class")
+    raise TypeError(
+        f"{type(backend).__name__} is not an InferenceBackend: subclass loragate.InferenceBackend "
+        "and implement available_models(), generate() and generate_stream()"
+    )
