@@ -26,7 +26,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from loragate import plain_http
+from loragate.http import oneshot
 
 log = logging.getLogger("loragate.gateway")
 
@@ -110,7 +110,7 @@ async def scrape_engine_metrics(
     """The engine's /metrics as the gateway's scrape shows it, or None when the engine does
     not answer (the gateway's scrape must answer even then)."""
     try:
-        answer = await plain_http.request(
+        answer = await oneshot.request(
             "GET",
             endpoint.base_url + "/metrics",
             timeout=3.0,

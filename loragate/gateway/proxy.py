@@ -6,11 +6,9 @@ by event for streams, so nothing is buffered beyond one server-sent event.
 
 Why not httpx: on this path it cost about 0.3 ms of CPU per request (request and response
 objects, header models, anyio, httpcore's pool) - most of what the gateway added on top of
-the engine. The upstream is one known HTTP/1.1 server, usually on loopback, so a small pool
-of asyncio connections with httptools' C parser does the same job for a tenth of that. Each
-connection carries one exchange at a time; idle connections go back to a per-origin stack and
-are dropped when the upstream closes them or after ``idle_timeout`` (below uvicorn's 5 s
-keep-alive, so we do not race the server's own close).
+the engine. The upstream is one known HTTP/1.1 server, usually on loopback, so
+``loragate.http``'s pool of asyncio connections with httptools' C parser does the same job
+for a tenth of that.
 """
 
 from __future__ import annotations
@@ -27,15 +25,9 @@ from starlette.types import Receive, Scope, Send
 
 from loragate.gateway.errors import OpenAIError, error_event
 from loragate.gateway.metrics import current_observation
-from loragate.gateway.upstream_pool import (
-    Origin,
-    Pool,
-    Target,
-    UpstreamBroken,
-    UpstreamConnection,
-    request_bytes,
-    target,
-)
+from loragate.http.connection import UpstreamBroken, UpstreamConnection
+from loragate.http.pool import Pool, Unreachable
+from loragate.http.wire import Origin, request_bytes, target
 
 _EVENT_END = b"\n\n"
 
@@ -113,11 +105,10 @@ class ProxyClient:
         started = time.perf_counter()
         where = target(url, method, uds)
         try:
-            conn = await self._exchange(where, request_bytes(where, headers, body))
-        except UpstreamUnreachable as exc:
+            conn = await self._pool.exchange(where, request_bytes(where, headers, body))
+        except Unreachable as exc:
             on_done()
-            exc.headers = {**exc.headers, **extra}
-            raise
+            raise _unreachable(exc, extra) from exc
         except (UpstreamBroken, OSError, TimeoutError, ValueError) as exc:
             on_done()
             raise OpenAIError(
@@ -152,83 +143,16 @@ class ProxyClient:
             {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **extra},
         )  # fmt: skip
 
-    async def _exchange(self, target: Target, request: bytes) -> UpstreamConnection:
-        """Send ``request`` and wait for the answer's head; the connection is the caller's."""
-        conn = self._pool.take_idle(target.origin)
-        if conn is not None:
-            conn.send(request)
-            try:
-                await conn.head()
-                return conn
-            except UpstreamBroken:
-                conn.abort()
-                if conn.got_bytes:
-                    raise
-                # A kept-alive connection the upstream closed just as we reused it: nothing
-                # was answered, so send once more on a fresh connection. If that one cannot
-                # even connect, the first attempt may still have reached the engine, so this
-                # is not reported as "unreachable" (which the backend would resend)...
-                try:
-                    conn = await self._pool.connect(target.origin)
-                except (ConnectionRefusedError, FileNotFoundError) as exc:
-                    # ...unless nothing listens any more: the engine died, taking whatever the
-                    # first attempt started with it (generation has no side effects), so the
-                    # backend may wait for the restart and send it again.
-                    raise _died() from exc
-                except OSError as exc:
-                    raise UpstreamBroken(f"the upstream went away: {exc}") from exc
-                return await self._first_answer(conn, request)
-        try:
-            conn = await self._pool.connect(target.origin)
-        except (
-            ConnectionRefusedError,
-            ConnectionResetError,
-            FileNotFoundError,
-            TimeoutError,
-        ) as exc:
-            raise UpstreamUnreachable(
-                503,
-                "the engine is not reachable; retry shortly",
-                code="engine_unavailable",
-                headers={"Retry-After": "5"},
-            ) from exc
-        except OSError as exc:
-            raise UpstreamUnreachable(
-                503,
-                f"the engine is not reachable ({exc.strerror or exc}); retry shortly",
-                code="engine_unavailable",
-                headers={"Retry-After": "5"},
-            ) from exc
-        return await self._first_answer(conn, request)
 
-    async def _first_answer(self, conn: UpstreamConnection, request: bytes) -> UpstreamConnection:
-        """Send ``request`` on a new connection and wait for the answer's head."""
-        conn.send(request)
-        try:
-            await conn.head()
-        except UpstreamBroken as exc:
-            conn.abort()
-            if conn.got_bytes:
-                raise
-            # A new connection cut before a byte of answer: the engine is dying (its listener
-            # took the connection just before going). Like a refused one, but the request may
-            # have reached the engine, so the backend resends it at most once.
-            raise _died() from exc
-        except BaseException:
-            conn.abort()
-            raise
-        return conn
-
-
-def _died() -> UpstreamUnreachable:
-    """The engine went away with this request maybe delivered to it."""
+def _unreachable(cause: Unreachable, extra: dict[str, str]) -> UpstreamUnreachable:
+    detail = f" ({cause.detail})" if cause.detail else ""
     unreachable = UpstreamUnreachable(
         503,
-        "the engine is not reachable; retry shortly",
+        f"the engine is not reachable{detail}; retry shortly",
         code="engine_unavailable",
-        headers={"Retry-After": "5"},
+        headers={"Retry-After": "5", **extra},
     )
-    unreachable.maybe_delivered = True
+    unreachable.maybe_delivered = cause.maybe_delivered
     return unreachable
 
 

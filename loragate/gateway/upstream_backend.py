@@ -20,11 +20,11 @@ from urllib.parse import urlsplit
 import orjson
 from starlette.responses import Response
 
-from loragate import plain_http
 from loragate.gateway.backend import EngineCall
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import ProxyClient, Rename
 from loragate.gateway.tracing import outgoing_trace_headers
+from loragate.http import oneshot
 from loragate.settings import Settings
 
 log = logging.getLogger("loragate.gateway")
@@ -88,11 +88,11 @@ class UpstreamBackend:
 
     async def refresh(self) -> None:
         """Ask the upstream for its models and health; keeps the last known models on failure."""
-        ask = functools.partial(plain_http.request, "GET", timeout=self._timeout)
+        ask = functools.partial(oneshot.request, "GET", timeout=self._timeout)
         try:
             models = await ask(self.api_base + "/models", headers=self._headers)
             health = await ask(self.root + "/health", headers=self._headers)
-        except plain_http.PlainHTTPError as exc:
+        except oneshot.PlainHTTPError as exc:
             self._ready, self._reason = False, f"upstream {self.api_base} unreachable: {exc}"
             return
         if models.status != 200:

@@ -29,7 +29,7 @@ from typing import Any
 
 import psutil
 
-from loragate import plain_http
+from loragate.http import oneshot
 from loragate.supervisor.engine_command import EngineSpec, engine_argv, engine_env, redacted
 from loragate.supervisor.engine_log import boot_phase, open_engine_log, tail_lines
 from loragate.supervisor.engine_socket import EngineSocket, EngineSocketError
@@ -622,13 +622,13 @@ class EngineSupervisor:
             return False
         timeout = self.timings.probe_timeout
         try:
-            response = await plain_http.request(
+            response = await oneshot.request(
                 "GET", f"{endpoint.base_url}/health", timeout=timeout, uds=endpoint.uds
             )
             if response.status != 200:
                 return False
             if self.timings.deep_probe and self.state in SERVING:
-                response = await plain_http.request(
+                response = await oneshot.request(
                     "POST",
                     f"{endpoint.base_url}/v1/completions",
                     timeout=timeout,
@@ -638,7 +638,7 @@ class EngineSupervisor:
                 )
                 return response.status == 200
             return True
-        except plain_http.PlainHTTPError as exc:
+        except oneshot.PlainHTTPError as exc:
             log.debug("health probe failed: %s", exc)
             return False
 

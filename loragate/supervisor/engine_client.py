@@ -1,8 +1,8 @@
 """The engine's admin calls (LoRA load/unload, model list), for the adapter manager.
 
 Only the gateway holds the engine's per-boot key, so only it can reach these endpoints. They
-go over the engine's Unix socket with ``plain_http`` (one exchange per call: they are rare),
-which never reads ``HTTP_PROXY`` from the environment: a proxy must never receive the key.
+go over the engine's Unix socket with ``loragate.http.oneshot`` (one exchange per call: they
+are rare), which never reads ``HTTP_PROXY`` from the environment: a proxy must never receive the key.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from loragate import plain_http
+from loragate.http import oneshot
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 
 
@@ -30,12 +30,12 @@ class EngineClient:
 
     async def _send(
         self, method: str, path: str, body: dict[str, str] | None = None
-    ) -> plain_http.PlainResponse:
+    ) -> oneshot.PlainResponse:
         endpoint = self._supervisor.endpoint
         if endpoint is None:
             raise EngineUnavailable("the engine has not started yet")
         try:
-            return await plain_http.request(
+            return await oneshot.request(
                 method,
                 f"{endpoint.base_url}{path}",
                 timeout=self._timeout,
@@ -43,7 +43,7 @@ class EngineClient:
                 json=body,
                 uds=endpoint.uds,
             )
-        except plain_http.PlainHTTPError as exc:
+        except oneshot.PlainHTTPError as exc:
             raise EngineUnavailable(f"the engine did not answer {path}: {exc}") from exc
 
     async def load_adapter(self, engine_id: str, path: Path) -> None:
@@ -72,14 +72,14 @@ class EngineClient:
         """Nothing to close: each call has its own connection (kept for the backend's stop)."""
 
 
-def _json(response: plain_http.PlainResponse) -> Any:
+def _json(response: oneshot.PlainResponse) -> Any:
     try:
         return response.json()
     except ValueError:
         return None
 
 
-def _detail(response: plain_http.PlainResponse) -> str:
+def _detail(response: oneshot.PlainResponse) -> str:
     body = _json(response)
     if isinstance(body, dict):
         error = body.get("error")

@@ -23,8 +23,8 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from loragate import plain_http
 from loragate.gateway.proxy import ProxyClient, UpstreamUnreachable
+from loragate.http import oneshot
 from loragate.supervisor.engine import EngineSupervisor, SupervisorTimings
 from loragate.supervisor.engine_client import EngineClient
 from loragate.supervisor.engine_command import EngineSpec, engine_argv
@@ -142,7 +142,7 @@ async def test_the_engine_listens_on_a_socket_in_a_private_dir_and_on_no_tcp_por
 async def test_every_engine_client_goes_over_the_socket(running: EngineSupervisor) -> None:
     endpoint = running.endpoint
     assert endpoint is not None and endpoint.base_url == "http://engine"
-    health = await plain_http.request(
+    health = await oneshot.request(
         "GET", endpoint.base_url + "/health", timeout=5, uds=endpoint.uds
     )
     assert health.status == 200
@@ -189,7 +189,7 @@ async def test_something_at_the_socket_path_before_boot_never_sees_the_key(
         finally:
             await client.aclose()
         assert sup.endpoint is not None
-        health = await plain_http.request(
+        health = await oneshot.request(
             "GET", "http://engine/health", timeout=5, uds=sup.endpoint.uds
         )
         assert health.status == 200
@@ -260,8 +260,8 @@ async def test_a_missing_socket_is_unreachable_not_a_crash(short_tmp: Path) -> N
             )  # fmt: skip
     finally:
         await proxy.aclose()
-    with pytest.raises(plain_http.PlainHTTPError, match="not reachable"):
-        await plain_http.request(
+    with pytest.raises(oneshot.PlainHTTPError, match="not reachable"):
+        await oneshot.request(
             "GET", "http://engine/health", timeout=2, uds=str(short_tmp / "nothing.sock")
         )
 
@@ -269,7 +269,7 @@ async def test_a_missing_socket_is_unreachable_not_a_crash(short_tmp: Path) -> N
 async def test_the_fake_engine_answers_on_a_unix_socket(short_tmp: Path) -> None:
     server = await start_unix_server(FakeEngine(api_key=None, models=["m"]), str(short_tmp / "s"))
     async with server:
-        answer = await plain_http.request(
+        answer = await oneshot.request(
             "GET", "http://engine/v1/models", timeout=5, uds=str(short_tmp / "s")
         )
     assert answer.status == 200 and answer.json()["data"][0]["id"] == "m"

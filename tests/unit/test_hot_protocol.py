@@ -25,9 +25,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import Response, StreamingResponse
 
-from loragate.gateway import hot_protocol, upstream_pool
+from loragate.gateway import hot_protocol
 from loragate.gateway.app import create_app
 from loragate.gateway.server_options import server_options
+from loragate.http.connection import UpstreamConnection
 from loragate.settings import Settings
 from tests.backend_double import ProxiedBackend, RecordingBackend, serving
 from tools.bench.fake_engine import FakeEngine, start_server
@@ -484,13 +485,13 @@ def test_a_slow_reader_gets_a_long_stream_whole(
     drains (back-pressure), and nothing is lost or reordered on the way.
     """
     holds: list[bool] = []
-    hold = upstream_pool.UpstreamConnection.hold
+    hold = UpstreamConnection.hold
 
-    def counted_hold(self: upstream_pool.UpstreamConnection) -> None:
+    def counted_hold(self: UpstreamConnection) -> None:
         holds.append(True)
         hold(self)
 
-    monkeypatch.setattr(upstream_pool.UpstreamConnection, "hold", counted_hold)
+    monkeypatch.setattr(UpstreamConnection, "hold", counted_hold)
     engine = FakeEngine(api_key=None, models=["base"])
     with fake_engine(engine) as engine_url:
         app = gateway_app(tmp_path, ProxiedBackend(engine_url, ["base"]))

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from starlette.responses import Response
 
-from loragate import plain_http
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import (
     ProxyClient,
@@ -18,6 +17,7 @@ from loragate.gateway.proxy import (
     UpstreamUnreachable,
     _RelayResponse,
 )
+from loragate.http import oneshot
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
@@ -140,6 +140,27 @@ async def test_sequential_requests_share_one_keep_alive_connection() -> None:
         await client.aclose()
     assert upstream.connections == 1
     assert done.calls == 5
+
+
+async def test_an_answer_past_the_stream_high_water_is_read_whole_on_a_kept_connection() -> None:
+    """A non-streamed answer of megabytes (embeddings of a batch) is not paused for a reader
+    that wants it whole, and the connection it came on serves the next request."""
+    big = b'{"model":"engine@1","data":"' + b"x" * 3_000_000 + b'"}'
+
+    async def answer_big(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+    ) -> None:
+        while await read_request(reader) is not None:
+            writer.write(json_response(big))
+            await writer.drain()
+
+    client, done = ProxyClient(), Done()
+    async with Upstream(answer_big).running() as upstream:
+        for _ in range(2):
+            response = await asyncio.wait_for(forward(client, upstream.url, done), 10)
+            assert response.body == big.replace(b"engine@1", b"public", 1)
+        await client.aclose()
+    assert upstream.connections == 1
 
 
 async def test_an_unreachable_upstream_is_reported_as_such_and_released() -> None:
@@ -389,4 +410,4 @@ async def test_a_header_with_a_line_break_is_refused_by_both_clients(
         await client.aclose()
     assert seen in ([], [b""])  # nothing of the request was sent
     with pytest.raises(ValueError, match="line break"):
-        await plain_http.request("GET", "http://127.0.0.1:9/x", timeout=1, headers=header)
+        await oneshot.request("GET", "http://127.0.0.1:9/x", timeout=1, headers=header)

@@ -1,24 +1,22 @@
-"""The upstream side of the proxy: keep-alive HTTP/1.1 connections and their pool.
+"""One HTTP/1.1 connection to an upstream: the one protocol class that reads every answer.
 
-Each connection carries one exchange at a time; httptools' C parser reads the answers. Idle
-connections go back to a per-origin stack and are dropped when the upstream closes them or
-after the pool's idle timeout. ``proxy.ProxyClient`` drives them.
+It carries one exchange at a time, kept alive between them by ``pool`` or closed after one
+by ``oneshot``. httptools' C parser reads the answers; interim (1xx) answers are skipped, and
+a body is delimited by its Content-Length, by chunked encoding or by the connection's end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
-import time
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import cast
-from urllib.parse import urlsplit
 
 import httptools
 
-from loragate.plain_http import header_lines
+from loragate.http.wire import Origin
 
 # Past this much unread stream data, stop reading the upstream socket (TCP back-pressure).
 HIGH_WATER = 256 * 1024
@@ -28,11 +26,8 @@ class UpstreamBroken(Exception):
     """The upstream connection failed or sent something that is not HTTP/1.1."""
 
 
-# ----- one upstream connection ----------------------------------------------------------------
-
-
 class UpstreamConnection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection carrying one exchange at a time.
+    """One HTTP/1.1 connection carrying one exchange at a time.
 
     httptools calls ``on_*`` while ``data_received`` feeds it; they only record and wake the
     one coroutine waiting on this connection (``_waiter``), never raise.
@@ -57,6 +52,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.error: BaseException | None = None
         self._body: list[bytes] = []
         self._buffered = 0
+        self._high_water = HIGH_WATER
         self._paused = False
         self._until_close = True
         self._keep_alive = False
@@ -72,7 +68,7 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamBroken(f"the upstream sent a malformed response: {exc}"))
+            self._fail(UpstreamBroken(f"not an HTTP/1.1 answer: {exc}"))
             self.abort()
 
     def eof_received(self) -> bool:
@@ -85,7 +81,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._wake()
             return
         if not self.complete:
-            self._fail(UpstreamBroken(f"the upstream closed the connection ({exc or 'EOF'})"))
+            self._fail(
+                UpstreamBroken(f"the connection closed before the answer ended ({exc or 'EOF'})")
+            )
 
     def pause_writing(self) -> None:  # request bodies are small; the kernel buffers them
         pass
@@ -115,7 +113,7 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self._body.append(body)
         self._buffered += len(body)
-        if self._buffered > HIGH_WATER:
+        if self._buffered > self._high_water:
             self.hold()
         self._wake()
 
@@ -142,9 +140,17 @@ class UpstreamConnection(asyncio.Protocol):
         while not self.head_done:
             await self._wait()
 
-    async def read_all(self) -> bytes:
-        while not self.complete:
+    async def read_all(self, limit: int = sys.maxsize) -> bytes:
+        """The whole body. Past ``limit`` bytes the connection is dropped and
+        ``UpstreamBroken`` raised; short of it the socket is read on (no back-pressure: the
+        body is wanted whole, and pausing would wait for it forever)."""
+        self._high_water = limit
+        self.release()
+        while not self.complete and self._buffered <= limit:
             await self._wait()
+        if self._buffered > limit:
+            self.abort()
+            raise UpstreamBroken(f"the answer is larger than {limit} bytes")
         body = b"".join(self._body)
         self._body.clear()
         return body
@@ -192,6 +198,12 @@ class UpstreamConnection(asyncio.Protocol):
     def reusable(self) -> bool:
         return self.complete and not self.closed and self._keep_alive
 
+    def close(self) -> None:
+        """Close once the answer is read: gracefully (a FIN, not a reset)."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
     def abort(self) -> None:
         self.closed = True
         if self.transport is not None:
@@ -220,90 +232,18 @@ class UpstreamConnection(asyncio.Protocol):
         self._wake()
 
 
-# ----- the pool -------------------------------------------------------------------------------
-
-# scheme, host, port, and the Unix socket to connect to instead of host and port ("" for none)
-Origin = tuple[str, str, int, str]
-
-
-@dataclass(frozen=True)
-class Target:
-    origin: Origin
-    request_line: bytes  # b"POST /v1/... HTTP/1.1\r\nHost: ...\r\n"
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context()  # tens of milliseconds to build: once
 
 
-@lru_cache(maxsize=64)
-def target(url: str, method: str = "POST", uds: str | None = None) -> Target:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"cannot proxy to {url!r}: an http(s) URL is needed")
-    if uds is not None and parts.scheme != "http":
-        raise ValueError(f"cannot proxy to {url!r} over a Unix socket: plain http:// only")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    path = parts.path or "/"
-    if parts.query:
-        path += "?" + parts.query
-    host = parts.netloc.rpartition("@")[2]
-    line = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n".encode("latin-1")
-    return Target((parts.scheme, parts.hostname, port, uds or ""), line)
-
-
-def request_bytes(target: Target, headers: dict[str, str], body: bytes) -> bytes:
-    length = b"Content-Length: %d\r\n" % len(body)
-    return b"".join((target.request_line, length, header_lines(headers), b"\r\n", body))
-
-
-class Pool:
-    def __init__(self, connect_timeout: float, idle_timeout: float, max_idle: int) -> None:
-        self.connect_timeout = connect_timeout
-        self.idle_timeout = idle_timeout
-        self.max_idle = max_idle
-        self._idle: dict[Origin, list[UpstreamConnection]] = {}
-        self._ssl: ssl.SSLContext | None = None
-
-    def take_idle(self, origin: Origin) -> UpstreamConnection | None:
-        stack = self._idle.get(origin)
-        if not stack:
-            return None
-        oldest_ok = time.monotonic() - self.idle_timeout
-        while stack:
-            conn = stack.pop()
-            if not conn.closed and conn.idle_since >= oldest_ok:
-                return conn
-            conn.abort()
-        return None
-
-    async def connect(self, origin: Origin) -> UpstreamConnection:
-        scheme, host, port, uds = origin
-        loop = asyncio.get_running_loop()
-        if uds:
-            _, unix_conn = await asyncio.wait_for(
-                loop.create_unix_connection(UpstreamConnection, uds), self.connect_timeout
-            )
-            return unix_conn
-        tls: ssl.SSLContext | None = None
-        if scheme == "https":
-            if self._ssl is None:
-                self._ssl = ssl.create_default_context()
-            tls = self._ssl
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(UpstreamConnection, host, port, ssl=tls), self.connect_timeout
-        )
-        return conn
-
-    def give_back(self, origin: Origin, conn: UpstreamConnection) -> None:
-        if not conn.reusable:
-            conn.abort()
-            return
-        stack = self._idle.setdefault(origin, [])
-        if len(stack) >= self.max_idle:
-            conn.abort()
-            return
-        conn.idle_since = time.monotonic()
-        stack.append(conn)
-
-    def close(self) -> None:
-        for stack in self._idle.values():
-            for conn in stack:
-                conn.abort()
-        self._idle.clear()
+async def connect(origin: Origin) -> UpstreamConnection:
+    """A new connection to ``origin`` (its Unix socket, if it names one); OSError if none."""
+    scheme, host, port, uds = origin
+    loop = asyncio.get_running_loop()
+    if uds:
+        _, unix_conn = await loop.create_unix_connection(UpstreamConnection, uds)
+        return unix_conn
+    tls = tls_context() if scheme == "https" else None
+    _, conn = await loop.create_connection(UpstreamConnection, host, port, ssl=tls)
+    return conn

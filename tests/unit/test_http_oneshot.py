@@ -1,4 +1,5 @@
-"""plain_http: one request per connection against real local sockets, answers good and bad."""
+"""The one-shot client: one request per connection against real local sockets, answers good
+and bad."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from loragate import plain_http
+from loragate.http import oneshot
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -55,7 +56,7 @@ async def test_a_get_returns_status_and_body_and_sends_the_headers() -> None:
         writer.close()
 
     async with server(answer) as url:
-        response = await plain_http.request(
+        response = await oneshot.request(
             "GET", url + "/health?deep=1", timeout=5, headers={"Authorization": "Bearer k"}
         )
     assert response.status == 503
@@ -84,7 +85,7 @@ async def test_a_post_sends_json_and_a_chunked_answer_is_read_whole() -> None:
         await writer.drain()
 
     async with server(answer) as url:
-        response = await plain_http.request(
+        response = await oneshot.request(
             "POST", url + "/v1/completions", timeout=5, json={"prompt": "ping"}
         )
     assert response.status == 200 and response.json() == {"ok": True}
@@ -94,8 +95,8 @@ async def test_a_post_sends_json_and_a_chunked_answer_is_read_whole() -> None:
 async def test_a_port_nobody_listens_on_is_not_reachable() -> None:
     async with server(read_request) as url:  # type: ignore[arg-type]
         pass  # closed: the port now refuses
-    with pytest.raises(plain_http.PlainHTTPError, match="not reachable"):
-        await plain_http.request("GET", url + "/health", timeout=5)
+    with pytest.raises(oneshot.PlainHTTPError, match="not reachable"):
+        await oneshot.request("GET", url + "/health", timeout=5)
 
 
 def silent_until_dropped(dropped: asyncio.Event) -> Handler:
@@ -113,8 +114,8 @@ async def test_a_server_that_never_answers_times_out_and_the_socket_is_dropped()
     dropped = asyncio.Event()
     async with server(silent_until_dropped(dropped)) as url:
         started = time.monotonic()
-        with pytest.raises(plain_http.PlainHTTPError, match=r"within 0\.2 s"):
-            await plain_http.request("GET", url + "/health", timeout=0.2)
+        with pytest.raises(oneshot.PlainHTTPError, match=r"within 0\.2 s"):
+            await oneshot.request("GET", url + "/health", timeout=0.2)
         assert time.monotonic() - started < 1.5
         await asyncio.wait_for(dropped.wait(), 1)  # not left open until the server gives up
 
@@ -122,7 +123,7 @@ async def test_a_server_that_never_answers_times_out_and_the_socket_is_dropped()
 async def test_a_cancelled_request_drops_its_socket() -> None:
     dropped = asyncio.Event()
     async with server(silent_until_dropped(dropped)) as url:
-        task = asyncio.create_task(plain_http.request("GET", url + "/health", timeout=30))
+        task = asyncio.create_task(oneshot.request("GET", url + "/health", timeout=30))
         await asyncio.sleep(0.1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -138,7 +139,7 @@ async def test_a_body_ended_by_the_close_and_an_interim_answer_are_read_right() 
         await writer.drain()
 
     async with server(old_style) as url:
-        response = await plain_http.request("GET", url + "/v1/models", timeout=5)
+        response = await oneshot.request("GET", url + "/v1/models", timeout=5)
     assert response.status == 200 and response.json() == {"data": []}
 
 
@@ -157,12 +158,12 @@ async def test_a_cut_or_foreign_answer_is_an_error(answer: bytes, error: str) ->
         writer.close()
 
     async with server(reply) as url:
-        with pytest.raises(plain_http.PlainHTTPError, match=error):
-            await plain_http.request("GET", url + "/health", timeout=5)
+        with pytest.raises(oneshot.PlainHTTPError, match=error):
+            await oneshot.request("GET", url + "/health", timeout=5)
 
 
 async def test_an_answer_past_the_size_cap_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plain_http, "MAX_BODY_BYTES", 1000)
+    monkeypatch.setattr(oneshot, "MAX_BODY_BYTES", 1000)
 
     async def huge(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -170,10 +171,10 @@ async def test_an_answer_past_the_size_cap_is_refused(monkeypatch: pytest.Monkey
         await writer.drain()
 
     async with server(huge) as url:
-        with pytest.raises(plain_http.PlainHTTPError, match="larger than 1000 bytes"):
-            await plain_http.request("GET", url + "/v1/models", timeout=5)
+        with pytest.raises(oneshot.PlainHTTPError, match="larger than 1000 bytes"):
+            await oneshot.request("GET", url + "/v1/models", timeout=5)
 
 
 async def test_only_http_urls_are_taken() -> None:
     with pytest.raises(ValueError, match="not an http"):
-        await plain_http.request("GET", "ftp://127.0.0.1/x", timeout=1)
+        await oneshot.request("GET", "ftp://127.0.0.1/x", timeout=1)
