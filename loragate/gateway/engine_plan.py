@@ -27,9 +27,9 @@ from loragate.demo.layout import (
 from loragate.settings import Settings
 from loragate.supervisor.cpu_lora_plugin import SWITCH, plugin_problem
 from loragate.supervisor.cpu_memory import dtype_bytes, plan_kv_cache, user_sized
-from loragate.supervisor.engine import SupervisorTimings
 from loragate.supervisor.engine_command import is_cpu_build
 from loragate.supervisor.preflight import check_parallel_boot
+from loragate.supervisor.supervisor_timings import SupervisorTimings
 from loragate.supervisor.tool_parsers import tool_engine_args
 
 log = logging.getLogger("loragate.gateway")

@@ -23,11 +23,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from loragate.supervisor.engine import EngineSupervisor, SupervisorTimings
+from loragate.supervisor.engine import EngineSupervisor
 from loragate.supervisor.engine_command import EngineSpec
 from loragate.supervisor.pidfile import CacheDirInUse, EnginePidFile, GatewayLock
 from loragate.supervisor.process_tree import ENGINE_TAG
 from loragate.supervisor.states import EngineState
+from loragate.supervisor.supervisor_timings import SupervisorTimings
 from tools.bench.targets import write_fake_model
 from tools.harness import GatewayProcess, wait_gone
 

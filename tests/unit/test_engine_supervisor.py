@@ -23,9 +23,10 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable, SupervisorTimings
+from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 from loragate.supervisor.engine_command import EngineSpec
 from loragate.supervisor.states import RECOVERING, TRANSITIONS, EngineState
+from loragate.supervisor.supervisor_timings import SupervisorTimings
 
 FAKE_ENGINE = [sys.executable, "-m", "tools.bench.fake_engine"]
 # Fails the way vLLM does on a configuration error: the root cause, then the API server's
@@ -282,7 +283,7 @@ SLOW_ENGINE = [
 async def test_a_slow_boot_says_how_far_it_has_come(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("loragate.supervisor.engine.BOOT_REPORT_SECONDS", 0.3)
+    monkeypatch.setattr("loragate.supervisor.boot_progress.BOOT_REPORT_SECONDS", 0.3)
     caplog.set_level(logging.INFO, logger="loragate.supervisor")
     sup = supervisor(tmp_path, SLOW_ENGINE)
     seen: list[str] = []
