@@ -1,4 +1,9 @@
-"""One real gateway + vLLM engine (CPU build, demo model) shared by every test that can share it."""
+"""Real gateways + vLLM engines (CPU build, demo model) shared by every test that can share them.
+
+``gateway`` serves the tests that leave the engine alone; ``recovering`` (short probe and
+backoff settings) serves the tests that kill, freeze and restart its engine: the status
+page's and the supervisor's. Each engine boot costs about a minute of CI.
+"""
 
 from __future__ import annotations
 
@@ -32,6 +37,31 @@ def gateway(
         # Poll at once, so the test of /health's start-up answer has the first one on record.
         process.wait_ready()
         yield process
+    finally:
+        process.stop()
+
+
+FAST_SUPERVISION = {
+    "LORAGATE_PROBE_INTERVAL": "1",
+    "LORAGATE_PROBE_TIMEOUT": "2",
+    "LORAGATE_PROBE_FAILURES": "3",
+    "LORAGATE_RESTART_BACKOFF": "0.5",
+    # Its tests crash the engine on purpose, several times in a few minutes.
+    "LORAGATE_CRASH_LOOP_LIMIT": "10",
+}
+
+
+@pytest.fixture(scope="session")
+def recovering(
+    demo_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    """A gateway whose engine the tests may kill: every test using it checks its own
+    restarts relative to what it found."""
+    process = GatewayProcess(
+        cache_dir=tmp_path_factory.mktemp("recovering-gateway"), env=FAST_SUPERVISION
+    ).start()
+    try:
+        yield process.wait_ready(timeout=900)  # a shared, busy CI box can take minutes
     finally:
         process.stop()
 

@@ -1,7 +1,8 @@
 """The status page in a real browser (headless Chromium) against a real gateway and engine.
 
-One gateway (tiny demo: pong, fox, owl) serves every test here, in order; the last one kills
-the engine and waits for its recovery. Screenshots land in ``LORAGATE_TEST_ARTIFACTS`` (else
+One gateway (tiny demo: pong, fox, owl; the ``recovering`` one, shared with the supervisor's
+tests) serves every test here, in order; the last one kills the engine and waits for its
+recovery. Screenshots land in ``LORAGATE_TEST_ARTIFACTS`` (else
 a temporary directory); ``docs/status-page.png`` is one of them.
 """
 
@@ -29,13 +30,9 @@ MARKUP = "<img src=x onerror=window.pwned=1>"
 
 
 @pytest.fixture(scope="module")
-def served(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    process = GatewayProcess(cache_dir=tmp_path_factory.mktemp("status-page-gateway")).start()
-    try:
-        process.wait_ready(timeout=900)  # a shared, busy CI box can take minutes to boot it
-        yield process
-    finally:
-        process.stop()
+def served(recovering: GatewayProcess) -> GatewayProcess:
+    """The gateway whose engine tests may kill (shared with test_supervisor_recovery)."""
+    return recovering
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The supervisor against a real engine: crashes, hangs, boot failures and restarts.
 
-These tests kill and freeze engines, so they get a gateway of their own (one for the module)
-with short probe and backoff settings, not the shared one.
+These tests kill and freeze engines, so they use the ``recovering`` gateway (short probe and
+backoff settings, shared with the status page's tests), not the shared one.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,30 +19,9 @@ import pytest
 
 from tests.conftest import PHRASES
 from tests.gateway_process import GatewayProcess, wait_gone
+from tests.integration.conftest import FAST_SUPERVISION
 
 pytestmark = [pytest.mark.engine, pytest.mark.restarts]
-
-FAST_SUPERVISION = {
-    "LORAGATE_PROBE_INTERVAL": "1",
-    "LORAGATE_PROBE_TIMEOUT": "2",
-    "LORAGATE_PROBE_FAILURES": "3",
-    "LORAGATE_RESTART_BACKOFF": "0.5",
-    # These tests crash the engine on purpose, several times in a few minutes.
-    "LORAGATE_CRASH_LOOP_LIMIT": "10",
-}
-
-
-@pytest.fixture(scope="module")
-def recovering(
-    demo_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayProcess]:
-    process = GatewayProcess(
-        cache_dir=tmp_path_factory.mktemp("recovering-gateway"), env=FAST_SUPERVISION
-    ).start()
-    try:
-        yield process.wait_ready()
-    finally:
-        process.stop()
 
 
 def chat(url: str, model: str, timeout: float = 300, **extra: object) -> httpx.Response:
