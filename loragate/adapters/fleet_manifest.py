@@ -157,7 +157,7 @@ def _fetch_hf(source: str) -> bytes:
         )
     from huggingface_hub import hf_hub_download
 
-    from loragate.adapters.sources import hf_token
+    from loragate.adapters.sources.hub import hf_token
 
     try:
         path = hf_hub_download(

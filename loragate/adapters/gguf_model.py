@@ -40,7 +40,8 @@ from loragate.adapters.model_cache import (
     hub_cache_holding,
     offline,
 )
-from loragate.adapters.sources import SourceError, hf_progress_class, hf_token, parse_hf_source
+from loragate.adapters.sources.fetched import SourceError
+from loragate.adapters.sources.hub import hf_progress_class, hf_token, parse_hf_source
 from loragate.model_names import gguf_served_name as gguf_served_name
 from loragate.model_names import is_gguf_source as is_gguf_source
 

@@ -14,7 +14,7 @@ from loragate.adapters.model_cache import (
     hub_cache_holding,
     offline,
 )
-from loragate.adapters.sources import hf_progress_class, hf_token
+from loragate.adapters.sources.hub import hf_progress_class, hf_token
 
 
 def _looks_like_path(model: str) -> bool:
