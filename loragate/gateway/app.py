@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from loragate.gateway import (
     routes_admin,
@@ -29,7 +29,7 @@ from loragate.gateway.errors import OpenAIError, install_error_handlers
 from loragate.gateway.inference_adapter import as_gateway_backend
 from loragate.gateway.inference_backend import InferenceBackend
 from loragate.gateway.log_tail import recent_gateway_log
-from loragate.gateway.metrics import RequestObserver, route_path
+from loragate.gateway.metrics import RequestObserver
 from loragate.gateway.openapi_schemas import install_openapi
 from loragate.gateway.runtime import Gateway
 from loragate.gateway.security_headers import SecurityHeaders
@@ -92,15 +92,13 @@ class BackendLifecycle:
 
 
 class GatewayApp(FastAPI):
-    """FastAPI, with the inference POST routes answered ahead of FastAPI's own layers.
+    """FastAPI, starting its backend on the first request when it got no lifespan events.
 
-    ``fast_path`` (set by ``create_app`` when no CORS is configured) is the same observer,
-    security-header and fast-path middleware the app stack has, minus FastAPI's root-path
-    handling, Starlette's error middleware and send wrapper: fewer layers on the request every
-    client waits on. Everything else, and everything when CORS is on, takes the full stack.
+    The inference POST routes are plain Starlette routes here (no dependency solving); under
+    ``gateway serve`` they never reach this app: ``hot_protocol`` answers them on uvicorn's
+    connections (``server_options``).
     """
 
-    fast_path: ASGIApp | None = None
     lifecycle: BackendLifecycle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -120,15 +118,6 @@ class GatewayApp(FastAPI):
                 )
                 await error.response()(scope, receive, send)
                 return
-        if (
-            self.fast_path is not None
-            and scope["type"] == "http"
-            and scope["method"] == "POST"
-            and route_path(scope) in routes_inference.HOT_ROUTES
-        ):
-            scope["app"] = self
-            await self.fast_path(scope, receive, send)
-            return
         await super().__call__(scope, receive, send)
 
 
@@ -189,7 +178,6 @@ def create_app(
     app.include_router(routes_ui.router)
     recent_gateway_log()  # from now on, so the page's log tail starts with the boot
     install_openapi(app)
-    app.add_middleware(routes_inference.InferenceFastPath)  # innermost: inside CORS and headers
     app.add_middleware(SecurityHeaders)
     if settings.cors_origins:
         app.add_middleware(
@@ -201,11 +189,4 @@ def create_app(
     # Outermost, so request durations include every other middleware.
     access_log = settings.access_log
     app.add_middleware(RequestObserver, metrics=gateway.metrics, access_log_enabled=access_log)
-    if not settings.cors_origins:
-        full_stack = super(GatewayApp, app).__call__  # never reached: the paths are all hot
-        app.fast_path = RequestObserver(
-            SecurityHeaders(routes_inference.InferenceFastPath(full_stack)),
-            metrics=gateway.metrics,
-            access_log_enabled=access_log,
-        )
     return app

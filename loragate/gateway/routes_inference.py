@@ -1,13 +1,11 @@
 """OpenAI-compatible inference routes: thin handlers that parse, call the backend, answer.
 
-The two POST routes are the hot path, so they skip the framework's per-request machinery:
-the endpoints take the gateway, the request id and the JSON body, nothing from a framework.
-Under ``gateway serve`` they are answered straight from uvicorn's connections
-(``hot_protocol``). On any other ASGI server, ``InferenceFastPath`` answers them ahead of
-the router (route matching, the exception and exit-stack middleware are skipped), as plain
-Starlette routes (FastAPI's dependency solving would cost a fifth of the gateway's time for
-nothing). The routes stay registered for the OpenAPI description and for apps that mount
-this router without the fast path. Errors keep their OpenAI shape every way.
+The two POST routes are the hot path: the endpoints take the gateway, the request id and the
+JSON body, nothing from a framework. They are reached two ways, no more: under ``gateway
+serve``, straight from uvicorn's connections (``hot_protocol``, the one module that touches
+uvicorn's internals); on any other ASGI server (or with CORS on), through the router as
+plain Starlette routes (FastAPI's dependency solving would cost a fifth of the gateway's time
+for nothing). Errors keep their OpenAI shape both ways.
 """
 
 from __future__ import annotations
@@ -19,11 +17,10 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from loragate.gateway.auth import HasHeaders
 from loragate.gateway.errors import OpenAIError, model_not_found
-from loragate.gateway.metrics import current_observation, route_path
+from loragate.gateway.metrics import current_observation
 from loragate.gateway.request_body import read_json_object
 from loragate.gateway.runtime import Gateway
 from loragate.gateway.tracing import current_trace, trace_headers_of
@@ -146,8 +143,8 @@ def _explain_pooling_engine(response: Response, path: str) -> Response:
 
 Endpoint = Callable[[Gateway, str, dict[str, Any]], Awaitable[Response]]
 
-# The hot routes (POST only): answered by ``InferenceFastPath`` on any ASGI server, and
-# without ASGI at all by ``hot_protocol`` under ``gateway serve``.
+# The hot routes (POST only): through the router on any ASGI server, and without ASGI at all
+# by ``hot_protocol`` under ``gateway serve``.
 HOT_ROUTES: dict[str, Endpoint] = {
     "/v1/chat/completions": chat_completions,
     "/v1/completions": completions,
@@ -165,31 +162,5 @@ def _asgi_route(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
     return route
 
 
-ASGI_ROUTES = {path: _asgi_route(endpoint) for path, endpoint in HOT_ROUTES.items()}
-for _path, _route in ASGI_ROUTES.items():
-    router.add_route(_path, _route, methods=["POST"])
-
-
-class InferenceFastPath:
-    """Pure ASGI middleware: answers POST on ``HOT_ROUTES`` itself, everything else goes on.
-
-    It sits inside the user middleware (security headers, CORS, metrics still apply) and
-    outside the router. OpenAI errors become their responses here, as the app's handler
-    would make them; anything else propagates to the server-error middleware as before.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = None
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = ASGI_ROUTES.get(route_path(scope))
-        if endpoint is None:
-            await self.app(scope, receive, send)
-            return
-        try:
-            response = await endpoint(Request(scope, receive, send))
-        except OpenAIError as exc:
-            response = exc.response()
-        await response(scope, receive, send)
+for _path, _endpoint in HOT_ROUTES.items():
+    router.add_route(_path, _asgi_route(_endpoint), methods=["POST"])

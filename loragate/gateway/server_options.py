@@ -42,7 +42,8 @@ def server_options(app: Any = None) -> dict[str, Any]:
         options["loop"] = "uvloop"
     if importlib.util.find_spec("httptools") is not None:
         options["http"] = "httptools"
-        if isinstance(gateway, Gateway) and getattr(app, "fast_path", None) is not None:
+        # The hot protocol answers inference POSTs ahead of every middleware: CORS must see them.
+        if isinstance(gateway, Gateway) and not gateway.settings.cors_origins:
             if fits_this_uvicorn():
                 options["http"] = hot_protocol(gateway)
             else:
