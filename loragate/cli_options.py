@@ -1,8 +1,9 @@
 """`gateway serve`'s options, built from the ``Settings`` fields marked ``serve_option``.
 
-Each setting is declared once, in ``settings.py``: its type, default, constraints and
-description there become the option's type, help and ``(default: ...)`` here. Every option
-defaults to None, meaning "not given", so the environment and the config file still apply.
+Each setting is declared once, in its ``loragate.settings`` field group: its type, default,
+constraints and description there become the option's type, help and ``(default: ...)`` here.
+Every option defaults to None, meaning "not given", so the environment and the config file
+still apply.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def test_serve_gives_uvicorn_the_connection_limit(
 ) -> None:
     captured: dict[str, Any] = {}
     monkeypatch.setattr("uvicorn.run", lambda app, **options: captured.update(options))
-    monkeypatch.setattr(cli.gc, "freeze", lambda: None)
+    monkeypatch.setattr("gc.freeze", lambda: None)
     result = CliRunner().invoke(
         cli.app,
         [

@@ -1,12 +1,13 @@
 """The house plan's import rules, read from the source: no cycles, one direction.
 
-gateway -> adapters -> supervisor (the engine); the configuration leaves (``settings`` and
-what it reads: ``engine_flags``, ``model_names``, ``paths``), the ``http`` package (the one
-HTTP/1.1 client: its modules import only each other) and ``logs`` import nothing else of
-loragate; ``cli`` and the app factory sit on top; ``demo`` may use adapters and the
-supervisor, not the gateway; the engine plugin is a leaf that no other part imports; the
-installed package never imports the checkout's ``tools``. An import counts wherever it is
-written (inside a function too), except under ``if TYPE_CHECKING:``.
+gateway -> adapters -> supervisor (the engine); the configuration leaves (the ``settings``
+package, its modules importing only each other and what they read: ``engine_flags``,
+``model_names``, ``paths``), the ``http`` package (the one HTTP/1.1 client: its modules import
+only each other) and ``logs`` import nothing else of loragate; ``cli`` and the app factory sit
+on top; ``demo`` may use adapters and the supervisor, not the gateway; the engine plugin is a
+leaf that no other part imports; the installed package never imports the checkout's
+``tools``. An import counts wherever it is written (inside a function too), except under
+``if TYPE_CHECKING:``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "loragate"
 LEAVES = {"loragate.http", "loragate.logs", "loragate.paths", "loragate.model_names",
           "loragate.engine_flags"}  # fmt: skip
-CONFIG = "loragate.settings"
+CONFIG = "loragate.settings"  # a package: ``Settings`` and its field groups
 
 
 def module_name(path: Path) -> str:
@@ -132,7 +133,10 @@ def leaf_of(module: str) -> str | None:
 
 
 def test_the_configuration_and_the_leaves_import_nothing_above_them() -> None:
-    assert {t for t in GRAPH[CONFIG] if leaf_of(t) is None} == set()
+    config = {module for module in MODULES if part(module) == CONFIG}
+    assert {
+        (m, t) for m in config for t in GRAPH[m] if leaf_of(t) is None and t not in config
+    } == set()
     outside = {
         module: {t for t in targets if leaf_of(t) != leaf_of(module)}
         for module, targets in GRAPH.items()
@@ -144,6 +148,9 @@ def test_the_configuration_and_the_leaves_import_nothing_above_them() -> None:
 
 def test_nothing_imports_the_cli_the_engine_plugin_or_the_checkouts_tools() -> None:
     assert [m for m, targets in GRAPH.items() if "loragate.cli" in targets] == []
+    cli_parts = {m for m in MODULES if m.startswith("loragate.cli_")}  # cli_serve, cli_admin...
+    cli = cli_parts | {"loragate.cli"}
+    assert [m for m, targets in GRAPH.items() if targets & cli_parts and m not in cli] == []
     plugin_users = [
         m
         for m, targets in GRAPH.items()
@@ -153,7 +160,7 @@ def test_nothing_imports_the_cli_the_engine_plugin_or_the_checkouts_tools() -> N
     assert plugin_users == []
     assert [m for m, targets in GRAPH.items() if "tools" in targets] == []
     app_users = {m for m, targets in GRAPH.items() if "loragate.gateway.app" in targets}
-    assert app_users <= {"loragate.cli", "loragate"}, app_users
+    assert app_users <= {"loragate.cli_serve", "loragate"}, app_users
 
 
 def test_the_graph_is_read_at_all() -> None:

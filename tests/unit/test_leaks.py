@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from loragate import cli
+from loragate import cli_admin
 from loragate.adapters.downloads import redact, redact_urls
 from loragate.adapters.manager import AdapterError, AdapterManager, PreparedVersion
 from loragate.adapters.manifest import Manifest
@@ -216,6 +216,6 @@ def test_the_cli_never_sends_the_admin_key_to_a_proxy(
     proxy_and_target: tuple[Listener, Listener],
 ) -> None:
     proxy, gateway = proxy_and_target
-    cli._admin(gateway.url, "admin-key", "GET", "/admin/adapters")
+    cli_admin.admin_request(gateway.url, "admin-key", "GET", "/admin/adapters")
     assert gateway.seen == [("/admin/adapters", "Bearer admin-key")]
     assert proxy.seen == []

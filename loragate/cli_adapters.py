@@ -1,0 +1,143 @@
+"""``gateway adapters ...``: add, list, remove and roll back a running gateway's adapters
+through its admin API, and convert an adapter offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from loragate.cli_admin import (
+    DEFAULT_URL,
+    AdminKeyOption,
+    CacheDirOption,
+    UrlOption,
+    admin_request,
+    local_admin_token,
+)
+from loragate.cli_errors import fail
+
+adapters_app = typer.Typer(
+    help="Manage the adapters of a running gateway (admin API).", no_args_is_help=True
+)
+
+
+@adapters_app.command("add")
+def adapters_add(
+    name: str,
+    source: str,
+    revision: Annotated[
+        str | None, typer.Option(help="Revision, branch or tag at the source.")
+    ] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", help="Watch the source and swap new versions in.")
+    ] = False,
+    url: UrlOption = DEFAULT_URL,
+    admin_key: AdminKeyOption = None,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Add NAME from SOURCE, or swap in a new version; returns once it serves."""
+    typer.echo(
+        f"Adding {name} from {source} (download, conversion and validation happen on the gateway)..."
+    )
+    import time
+
+    from loragate.cli_progress import run_showing_progress, stderr_echo
+
+    if admin_key is None:
+        admin_key = local_admin_token(url, cache_dir)
+    body = {"source": source, "revision": revision, "follow": follow}
+    result = run_showing_progress(
+        lambda: admin_request(url, admin_key, "PUT", f"/admin/adapters/{name}", body, cache_dir),
+        lambda: _progress_record(url, admin_key, name),
+        time.time(),
+        stderr_echo,
+    )
+    typer.echo(f"{result['name']} now serves version {result['version'][:12]} ({result['state']}).")
+
+
+def _progress_record(url: str, admin_key: str | None, name: str) -> dict[str, Any] | None:
+    """The gateway's progress record of the add of ``name`` running now, if any."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    response = httpx.get(
+        f"{url.rstrip('/')}/admin/adapters/{name}", headers=headers, timeout=5, trust_env=False
+    )
+    if response.status_code != 200:
+        return None
+    record = response.json().get("progress")
+    return record if isinstance(record, dict) else None
+
+
+@adapters_app.command("list")
+def adapters_list(
+    url: UrlOption = DEFAULT_URL,
+    admin_key: AdminKeyOption = None,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Adapters with their active version, size and state."""
+    result = admin_request(url, admin_key, "GET", "/admin/adapters", cache_dir=cache_dir)
+    rows = result.get("data", [])
+    if not rows:
+        typer.echo("no adapters")
+        return
+    typer.echo(
+        f"{'NAME':<20} {'VERSION':<13} {'PREVIOUS':<13} {'RANK':>4} {'SIZE':>10} {'STATE':<8} SOURCE"
+    )
+    for row in rows:
+        size = row.get("size_bytes") or 0
+        typer.echo(
+            f"{row['name']:<20} {row['version'][:12]:<13} {(row.get('previous_version') or '-')[:12]:<13} "
+            f"{row.get('rank') or '-':>4} {size / 1024:>8.1f}kB {row['state']:<8} {row['source']}"
+        )
+
+
+@adapters_app.command("remove")
+def adapters_remove(
+    name: str,
+    url: UrlOption = DEFAULT_URL,
+    admin_key: AdminKeyOption = None,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Stop serving NAME (its cached versions stay for a later rollback)."""
+    admin_request(url, admin_key, "DELETE", f"/admin/adapters/{name}", cache_dir=cache_dir)
+    typer.echo(f"{name} removed")
+
+
+@adapters_app.command("rollback")
+def adapters_rollback(
+    name: str,
+    url: UrlOption = DEFAULT_URL,
+    admin_key: AdminKeyOption = None,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Serve NAME's previous version again."""
+    result = admin_request(
+        url, admin_key, "POST", f"/admin/adapters/{name}/rollback", cache_dir=cache_dir
+    )
+    typer.echo(f"{name} now serves version {result['version'][:12]}")
+
+
+@adapters_app.command("convert")
+def adapters_convert(
+    source: str,
+    out: Path,
+    base: Annotated[
+        str, typer.Option("--base", help="The base model dir (or HF id) the adapter is for.")
+    ],
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(help="Cache dir for a base model id [default: ~/.cache/loragate]."),
+    ] = None,
+) -> None:
+    """Offline: convert any supported adapter format to the PEFT layout vLLM loads."""
+    from loragate.adapters.convert_command import convert_command
+    from loragate.demo.layout import default_cache_dir
+
+    try:
+        convert_command(source, out, base, cache_dir or default_cache_dir())
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    typer.echo(f"wrote a PEFT adapter to {out}")

@@ -1,0 +1,123 @@
+"""``gateway serve``: check what can be checked before the engine starts (the settings, the
+engine arguments after ``--``, the tool-call parser, the machine, the port), then run the
+gateway under uvicorn. Every option but --config is a ``Settings`` field (``cli_options``)."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperCommand
+
+from loragate.cli_errors import fail
+from loragate.cli_options import given_values, serve_parameters
+
+
+class ServeCommand(TyperCommand):
+    """``gateway serve``: its own options before ``--``, the engine's after it.
+
+    An unknown option or a stray argument before ``--`` is an error (a typo such as
+    ``--max-lora 4`` would otherwise reach vLLM silently); everything after ``--`` becomes the
+    engine's arguments (``ctx.args``), checked by the settings for loragate-owned flags.
+    """
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # a click Context
+        if "--" in args:
+            split = args.index("--")
+            before, after = args[:split], args[split + 1 :]
+        else:
+            before, after = args, []
+        super().parse_args(ctx, before)
+        ctx.args = after
+        return after
+
+
+def serve(
+    ctx: typer.Context,
+    config: Annotated[Path | None, typer.Option(help="Settings file (TOML or YAML).")] = None,
+    **options: Any,
+) -> None:
+    """Start the engine and the gateway. Arguments after `--` go to the engine untouched
+    (except the flags loragate sets itself, which are refused with the option to use)."""
+    from loragate.settings import load_settings
+
+    explicit = given_values(options)
+    explicit["engine_args"] = list(ctx.args) or None
+    from loragate.engine_flags import check_engine_args
+
+    try:
+        check_engine_args(ctx.args)
+        settings = load_settings(config, **explicit)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+        return
+    from loragate.logs import configure_logging
+
+    configure_logging(settings.log_level, settings.log_json)
+    if settings.upstream_url is None and settings.tool_call_parser not in (None, "none"):
+        from loragate.supervisor.tool_parsers import ToolParserError, check_tool_parser
+
+        try:
+            check_tool_parser(settings.tool_call_parser, settings.engine_python)
+        except ToolParserError as exc:
+            fail(str(exc))
+    if settings.engine_command is None and settings.upstream_url is None:
+        from loragate.supervisor.preflight import run_preflight
+
+        local_model = (
+            Path(settings.model) if settings.model and Path(settings.model).is_dir() else None
+        )
+        problems = run_preflight(
+            engine_python=settings.engine_python,
+            model_dir=local_model,
+            dtype_bytes=2,
+            host=settings.host,
+            port=settings.port,
+            cache_dir=settings.cache_dir.expanduser(),
+            parallel=settings.parallel,
+        )
+        if problems:
+            fail("cannot start:\n  - " + "\n  - ".join(str(p) for p in problems))
+    else:
+        from loragate.supervisor.ports import port_is_free
+
+        if not port_is_free(settings.host, settings.port):
+            fail(
+                f"port {settings.port} on {settings.host} is already in use; pass --port to choose another"
+            )
+    from loragate.gateway.app import create_app
+    from loragate.gateway.auth import KeyConfigError
+
+    try:
+        asgi = create_app(settings)
+    except KeyConfigError as exc:
+        fail(str(exc))
+        return
+    import uvicorn
+
+    from loragate.gateway.server_options import server_options
+
+    # What is alive now (modules, the app) lives as long as the process: out of the
+    # collector's sight, a collection walks only what requests allocate (a gen-1 pass takes
+    # about 0.6 ms instead of 1 ms, and a full one no longer walks ~70k objects).
+    gc.collect()
+    gc.freeze()
+    uvicorn.run(
+        asgi,
+        **server_options(asgi),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=int(settings.drain_timeout) or None,
+        access_log=False,
+        log_config=None,
+    )
+
+
+# Every option but --config is a Settings field: declared there once (loragate/cli_options.py).
+serve.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [*list(inspect.signature(serve).parameters.values())[:2], *serve_parameters()]
+)
