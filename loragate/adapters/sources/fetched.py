@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loragate.adapters.downloads import DEFAULT_DEADLINE
+from loragate.adapters.provenance import Provenance
 
 
 class SourceError(ValueError):
@@ -16,13 +17,12 @@ class SourceError(ValueError):
 @dataclass(frozen=True)
 class FetchedSource:
     path: Path  # the local directory holding the adapter (or Vi run)
-    source: str  # the source string as given
     kind: str  # "local", "archive", "hf", "url" or "tinker"
-    revision: str | None = None  # what was fetched: HF commit sha, Tinker path, ETag, ...
+    # The source as given, what was fetched, and its change marker: passed on unchanged to
+    # the store and the manifest.
+    provenance: Provenance
     etag: str | None = None
     commit: str | None = None
-    # What source_fingerprint() returns for this source now: follow mode compares the two.
-    fingerprint: str | None = None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from loragate.adapters.provenance import Provenance
 from loragate.adapters.sources.fetched import FetchedSource, SourceError, adapter_root
 
 _HF = re.compile(r"^hf://(?P<repo>[^/@\s]+/[^/@\s]+)(?:@(?P<rev>[^/\s]+))?(?:/(?P<sub>.+))?$")
@@ -85,9 +86,8 @@ def fetch_hf(
     if not found.is_dir():
         raise SourceError(f"{source}: the repository has no directory {sub!r} at this revision")
     _copy_tree(found, dest)
-    return FetchedSource(
-        adapter_root(dest), source, "hf", revision=commit or rev, commit=commit, fingerprint=commit
-    )
+    provenance = Provenance(source, revision=commit or rev, fingerprint=commit)
+    return FetchedSource(adapter_root(dest), "hf", provenance, commit=commit)
 
 
 def hf_fingerprint(source: str, revision: str | None) -> str | None:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from loragate.adapters.archives import archive_kind, extract_archive
+from loragate.adapters.provenance import Provenance
 from loragate.adapters.sources.fetched import (
     FetchedSource,
     FetchLimits,
@@ -27,7 +28,7 @@ def fetch_local(source: str, dest: Path, limits: FetchLimits) -> FetchedSource:
     path = _local_path(source)
     if path.is_dir():
         marker = _dir_fingerprint(path)
-        return FetchedSource(path.resolve(), source, "local", revision=marker, fingerprint=marker)
+        return FetchedSource(path.resolve(), "local", Provenance(source, marker, marker))
     if path.is_file():
         if archive_kind(path) is None:
             raise SourceError(
@@ -35,9 +36,7 @@ def fetch_local(source: str, dest: Path, limits: FetchLimits) -> FetchedSource:
             )
         extract_archive(path, dest, max_bytes=limits.max_bytes, max_members=limits.max_members)
         marker = _file_fingerprint(path)
-        return FetchedSource(
-            adapter_root(dest), source, "archive", revision=marker, fingerprint=marker
-        )
+        return FetchedSource(adapter_root(dest), "archive", Provenance(source, marker, marker))
     raise SourceError(
         f"adapter source {source!r} is not an existing directory or archive, nor an hf://, "
         "https:// or tinker:// address"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from loragate.adapters.downloads import download_file
+from loragate.adapters.provenance import Provenance
 from loragate.adapters.sources.fetched import (
     FetchedSource,
     FetchLimits,
@@ -65,7 +66,7 @@ def fetch_tinker(source: str, dest: Path, progress: bool, limits: FetchLimits) -
         url = _tinker_archive_url(rest, path)
         root, _ = fetch_archive_url(url, path, dest, progress, limits)
     marker = _tinker_marker(checkpoints, source, name)
-    return FetchedSource(root, source, "tinker", revision=path, fingerprint=marker)
+    return FetchedSource(root, "tinker", Provenance(source, revision=path, fingerprint=marker))
 
 
 def tinker_fingerprint(source: str) -> str | None:

@@ -9,12 +9,13 @@ from pathlib import Path
 
 from loragate.adapters.archives import extract_archive
 from loragate.adapters.downloads import download_file, head_validator
+from loragate.adapters.provenance import Provenance
 from loragate.adapters.sources.fetched import FetchedSource, FetchLimits, adapter_root
 
 
 def fetch_url(url: str, dest: Path, progress: bool, limits: FetchLimits) -> FetchedSource:
     path, etag = fetch_archive_url(url, url, dest, progress, limits)
-    return FetchedSource(path, url, "url", revision=etag, etag=etag, fingerprint=etag)
+    return FetchedSource(path, "url", Provenance(url, revision=etag, fingerprint=etag), etag=etag)
 
 
 def url_fingerprint(url: str, timeout: float) -> str | None:
