@@ -15,8 +15,10 @@ import pytest
 
 from loragate import cli_admin
 from loragate.adapters.downloads import redact, redact_urls
-from loragate.adapters.manager import AdapterError, AdapterManager, PreparedVersion
+from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.manifest import Manifest
+from loragate.adapters.pipeline import PreparedVersion
+from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore
 from loragate.supervisor.engine import EngineEndpoint
 from loragate.supervisor.engine_client import EngineClient
@@ -75,7 +77,7 @@ async def test_admin_listing_errors_and_health_reasons_show_sources_redacted(
     async def prepare(source: str, revision: str | None) -> PreparedVersion:
         if "broken" in source or source_gone.is_set():
             raise AdapterError(f"cannot download {source}: HTTP 403")
-        return PreparedVersion(stored, source, revision, None)
+        return PreparedVersion(stored, Provenance(source, revision))
 
     manager = AdapterManager(
         store=store,
