@@ -14,8 +14,8 @@ from loragate.adapters.convert.errors import ConversionError
 from loragate.adapters.convert.mlx import MLX_WEIGHTS
 from loragate.adapters.convert.peft_bin import BIN_WEIGHTS
 from loragate.adapters.convert.tinker import TINKER_MARKER, is_tinker_key
+from loragate.adapters.peft_layout import CONFIG_FILENAME, WEIGHTS_FILENAME
 from loragate.adapters.safetensors_header import SafetensorsError, read_safetensors_header
-from loragate.adapters.validate import CONFIG_FILENAME, WEIGHTS_FILENAME
 from loragate.adapters.vi_runs import is_vi_run
 
 FORMATS = ("peft", "peft-bin", "tinker", "mlx", "vi-run")

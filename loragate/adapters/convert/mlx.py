@@ -10,7 +10,7 @@ from typing import Any
 
 from loragate.adapters.convert.errors import ConversionError
 from loragate.adapters.convert.tensors import Tensors, load_safetensors
-from loragate.adapters.validate import KEY_PREFIX
+from loragate.adapters.peft_layout import KEY_PREFIX
 
 MLX_WEIGHTS = "adapters.safetensors"
 MLX_DEFAULT_SCALE = 20.0  # mlx-lm's default lora_parameters.scale

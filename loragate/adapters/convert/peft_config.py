@@ -7,7 +7,7 @@ from typing import Any
 
 from loragate.adapters.convert.errors import ConversionError
 from loragate.adapters.convert.mlx import mlx_config_fields
-from loragate.adapters.validate import CONFIG_FILENAME, split_lora_key
+from loragate.adapters.peft_layout import CONFIG_FILENAME, split_lora_key
 
 # Config fields carried over from a PEFT config as they are; everything else is rebuilt.
 KEPT_FIELDS = (

@@ -9,7 +9,8 @@ from typing import Any
 
 from loragate.adapters.convert.errors import ConversionError
 from loragate.adapters.convert.tensors import Tensors
-from loragate.adapters.validate import KEY_PREFIX, ties_embeddings
+from loragate.adapters.peft_layout import KEY_PREFIX
+from loragate.adapters.validate import ties_embeddings
 
 TINKER_MARKER = "checkpoint_complete"
 # Tinker names the MoE expert projections w1/w2/w3 like Mixtral: w1 = gate, w2 = down, w3 = up.

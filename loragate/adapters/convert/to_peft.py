@@ -18,8 +18,8 @@ from loragate.adapters.convert.peft_bin import load_peft_bin
 from loragate.adapters.convert.peft_config import build_peft_config
 from loragate.adapters.convert.tensors import Tensors, load_safetensors, save_safetensors
 from loragate.adapters.convert.tinker import from_tinker
+from loragate.adapters.peft_layout import CONFIG_FILENAME, WEIGHTS_FILENAME
 from loragate.adapters.safetensors_header import read_safetensors_header
-from loragate.adapters.validate import CONFIG_FILENAME, WEIGHTS_FILENAME
 from loragate.adapters.vi_runs import VI_ADAPTER_DIRNAME, VI_FULL_DIRNAME
 
 
