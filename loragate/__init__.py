@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from loragate.gateway.inference_backend import GenerationResult, InferenceBackend
+    from loragate.gateway.backends.custom import GenerationResult, InferenceBackend
 
 __version__ = "0.1.0"
 
@@ -31,9 +31,9 @@ def create_server(backend: Any = None, config_file: Any = None, **options: Any) 
 def __getattr__(name: str) -> Any:
     # Imported on first use, so `import loragate` stays light for the engine and demo builders.
     if name in ("InferenceBackend", "GenerationResult"):
-        from loragate.gateway import inference_backend
+        from loragate.gateway.backends import custom
 
-        return getattr(inference_backend, name)
+        return getattr(custom, name)
     raise AttributeError(f"module 'loragate' has no attribute {name!r}")
 
 

@@ -21,8 +21,8 @@ from starlette.responses import Response
 from loragate.adapters.progress import ProgressBoard
 from loragate.adapters.stats import AdapterStats
 from loragate.gateway.app import create_app
-from loragate.gateway.engine_backend import SupervisedEngineBackend
-from loragate.gateway.engine_metrics import scrape_engine_metrics
+from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
+from loragate.gateway.backends.supervised import SupervisedEngineBackend
 from loragate.gateway.proxy import ProxyClient
 from loragate.gateway.server_options import server_options
 from loragate.settings import Settings

@@ -12,25 +12,17 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
-from loragate.gateway import (
-    routes_admin,
-    routes_health,
-    routes_inference,
-    routes_metrics,
-    routes_passthrough,
-    routes_status,
-    routes_ui,
-)
 from loragate.gateway.admin_token import publish_admin_token, withdraw_admin_token
 from loragate.gateway.auth import KeyConfigError, check_key_settings
-from loragate.gateway.backend import GatewayBackend
+from loragate.gateway.backends.base import GatewayBackend
+from loragate.gateway.backends.custom import InferenceBackend
+from loragate.gateway.backends.custom_adapter import as_gateway_backend
 from loragate.gateway.cross_site import is_loopback
 from loragate.gateway.errors import OpenAIError, install_error_handlers
-from loragate.gateway.inference_adapter import as_gateway_backend
-from loragate.gateway.inference_backend import InferenceBackend
 from loragate.gateway.log_tail import recent_gateway_log
 from loragate.gateway.metrics import RequestObserver
 from loragate.gateway.openapi_schemas import install_openapi
+from loragate.gateway.routes import admin, health, inference, metrics, passthrough, status, ui
 from loragate.gateway.runtime import Gateway
 from loragate.gateway.security_headers import SecurityHeaders
 from loragate.settings import Settings
@@ -142,11 +134,11 @@ def create_app(
     if backend is not None:
         backend = as_gateway_backend(backend)
     elif settings.upstream_url is not None:
-        from loragate.gateway.upstream_backend import UpstreamBackend
+        from loragate.gateway.backends.upstream import UpstreamBackend
 
         backend = UpstreamBackend(settings)
     else:
-        from loragate.gateway.engine_backend import SupervisedEngineBackend
+        from loragate.gateway.backends.supervised import SupervisedEngineBackend
 
         backend = SupervisedEngineBackend(settings)
     gateway = Gateway(settings, backend)
@@ -167,15 +159,15 @@ def create_app(
     app.state.gateway = gateway
     app.lifecycle = lifecycle
     install_error_handlers(app)
-    app.include_router(routes_health.router)
-    app.include_router(routes_inference.router)
-    app.include_router(routes_passthrough.router)
-    app.include_router(routes_admin.router)
-    app.include_router(routes_metrics.router)
+    app.include_router(health.router)
+    app.include_router(inference.router)
+    app.include_router(passthrough.router)
+    app.include_router(admin.router)
+    app.include_router(metrics.router)
     # The status page (/ui), and what it reads beyond the admin API.
-    app.include_router(routes_status.admin_router)
-    app.include_router(routes_status.router)
-    app.include_router(routes_ui.router)
+    app.include_router(status.admin_router)
+    app.include_router(status.router)
+    app.include_router(ui.router)
     recent_gateway_log()  # from now on, so the page's log tail starts with the boot
     install_openapi(app)
     app.add_middleware(SecurityHeaders)

@@ -12,7 +12,7 @@ and admin requests must be addressed to one of the gateway's host names. So must
 and model-list requests to a gateway without inference keys: after a rebinding they are
 same-origin, and the page could read the model list and use the model. An address written
 as digits (``192.168.1.5:8000``) is always fine there: a rebinding needs a name. JSON bodies must be
-declared ``application/json`` (``request_body``), which no page can send cross-origin without
+declared ``application/json`` (``requests.body``), which no page can send cross-origin without
 a preflight. The health routes check none of this: a kubelet probes them by pod IP.
 """
 

@@ -31,7 +31,6 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from loragate.gateway import routes_inference
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.metrics import (
     RequestObservation,
@@ -39,13 +38,14 @@ from loragate.gateway.metrics import (
     note_sent,
     settle,
 )
-from loragate.gateway.proxy import _RelayResponse
-from loragate.gateway.request_body import (
+from loragate.gateway.proxy import RelayResponse
+from loragate.gateway.requests.body import (
     check_declared_length,
     check_json_content_type,
     parse_json_object,
     too_large,
 )
+from loragate.gateway.routes import inference
 from loragate.gateway.runtime import Gateway
 from loragate.gateway.security_headers import SECURITY_HEADERS
 
@@ -102,14 +102,14 @@ def hot_protocol(gateway: Gateway) -> type[HttpToolsProtocol]:
 
 class HotRouteProtocol(HttpToolsProtocol):
     gateway: Gateway
-    _relaying: _RelayResponse | None = None
+    _relaying: RelayResponse | None = None
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         scope = cycle.scope
         endpoint = None
         # `app is self.app`: uvicorn swaps in its own 503 app past --limit-concurrency.
         if scope["method"] == "POST" and app is self.app:
-            endpoint = routes_inference.HOT_ROUTES.get(scope["path"])
+            endpoint = inference.HOT_ROUTES.get(scope["path"])
         if endpoint is None:
             super()._start_asgi_task(cycle, app)
             return
@@ -126,7 +126,7 @@ class HotRouteProtocol(HttpToolsProtocol):
     # ----- one request --------------------------------------------------------------------
 
     async def _answer(
-        self, cycle: RequestResponseCycle, route: str, endpoint: routes_inference.Endpoint
+        self, cycle: RequestResponseCycle, route: str, endpoint: inference.Endpoint
     ) -> None:
         gateway = self.gateway
         metrics = gateway.metrics
@@ -140,7 +140,7 @@ class HotRouteProtocol(HttpToolsProtocol):
             except OpenAIError as exc:
                 response = exc.response()
             observation.status = response.status_code
-            if isinstance(response, _RelayResponse):
+            if isinstance(response, RelayResponse):
                 await self._relay(cycle, response, observation)
             elif type(response).__call__ is Response.__call__ and response.background is None:
                 # Stamped before the write: the client it wakes may run before this task does.
@@ -165,12 +165,10 @@ class HotRouteProtocol(HttpToolsProtocol):
             scope = cast(dict[str, Any], cycle.scope)
             settle(metrics, route, observation, scope, gateway.settings.access_log)
 
-    async def _respond(
-        self, cycle: RequestResponseCycle, endpoint: routes_inference.Endpoint
-    ) -> Response:
+    async def _respond(self, cycle: RequestResponseCycle, endpoint: inference.Endpoint) -> Response:
         gateway = self.gateway
         request = HotRequest(cycle.scope["headers"])
-        request_id = routes_inference.admit(gateway, request)
+        request_id = inference.admit(gateway, request)
         check_json_content_type(request.headers.get("content-type"))
         max_bytes = gateway.settings.max_body_bytes
         check_declared_length(request.headers.get("content-length"), max_bytes)
@@ -209,7 +207,7 @@ class HotRouteProtocol(HttpToolsProtocol):
         _complete(cycle)
 
     async def _relay(
-        self, cycle: RequestResponseCycle, response: _RelayResponse, observation: Any
+        self, cycle: RequestResponseCycle, response: RelayResponse, observation: Any
     ) -> None:
         """Pass a stream on as it comes, chunked: the head at once (as the engine sent its own),
         then each chunk straight from the upstream connection's callback (``pipe``)."""

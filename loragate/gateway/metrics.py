@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loragate.gateway.engine_routes import engine_route
+from loragate.gateway.routes.engine_allow_list import engine_route
 from loragate.gateway.traffic import RecentTraffic
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ Requests are recorded lock-free in ``metrics.GatewayMetrics`` (a few dict operat
 request); a scrape turns that record, the engine's state and the adapter counters into metric
 families for a collector, and ``prometheus_client`` writes the exposition (names, escaping,
 ``NaN``, histogram buckets), followed by its standard ``process_*`` and ``python_info``
-families and ``loragate_build_info`` (``engine_metrics``), then the engine's own series with
+families and ``loragate_build_info`` (``process_metrics``), then the engine's own series with
 ``component="engine"``. The model is labelled ``model_name``, as vLLM labels its own series.
 """
 
@@ -23,8 +23,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from loragate.adapters.stats import AdapterStats
-from loragate.gateway.backend import adapter_stats_of, engine_metrics_of, engine_snapshot_of
-from loragate.gateway.engine_metrics import gateway_process_metrics
+from loragate.gateway.backends.base import adapter_stats_of, engine_metrics_of, engine_snapshot_of
+from loragate.gateway.process_metrics import gateway_process_metrics
 from loragate.supervisor.snapshot import EngineSnapshot
 from loragate.supervisor.states import EngineState
 

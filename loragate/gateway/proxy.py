@@ -138,7 +138,7 @@ class ProxyClient:
                     rename.model_field(content) if conn.status < 400 else rename.everywhere(content)
                 )
             return _Answer(content, conn.status, conn.content_type, extra)
-        return _RelayResponse(
+        return RelayResponse(
             self._pool, where.origin, conn, rename, on_done, started,
             {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **extra},
         )  # fmt: skip
@@ -172,13 +172,20 @@ class _Answer(Response):
         ]
 
 
-class _RelayResponse(Response):
+class RelayResponse(Response):
     """A server-sent event stream relayed chunk by chunk from an upstream connection.
 
-    Lighter than Starlette's StreamingResponse (no task group per request): one small task
-    watches for the client going away and cuts the upstream connection, which makes the
-    engine abort the generation. ``hot_protocol`` drives the same ``read``/``close``/``abort``
-    without ASGI.
+    This is the relay's transport-neutral interface, driven two ways:
+
+    - ``hot_protocol`` drives it on uvicorn's connections without ASGI: ``pipe(write)`` passes
+      the whole stream to the connection's ``write``, ``hold`` and ``release`` pause and resume
+      the upstream while the client's socket is full (flow control), ``abort`` cuts the
+      upstream when the client leaves and ``close`` gives the connection back;
+    - any ASGI server drives it through ``__call__``, which sends what ``read`` returns.
+
+    Lighter than Starlette's StreamingResponse (no task group per request): under ASGI one
+    small task watches for the client going away and cuts the upstream connection, which
+    makes the engine abort the generation.
     """
 
     media_type = "text/event-stream"
@@ -335,4 +342,4 @@ def _stream_broken() -> bytes:
     )
 
 
-__all__: list[Any] = ["ProxyClient", "Rename", "UpstreamUnreachable"]
+__all__: list[Any] = ["ProxyClient", "RelayResponse", "Rename", "UpstreamUnreachable"]

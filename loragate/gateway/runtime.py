@@ -7,7 +7,7 @@ from typing import Any
 
 from loragate.gateway.admin_token import new_admin_token
 from loragate.gateway.auth import HasHeaders, KeyChecker
-from loragate.gateway.backend import GatewayBackend
+from loragate.gateway.backends.base import GatewayBackend
 from loragate.gateway.cross_site import CrossSitePolicy, is_loopback
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.metrics import GatewayMetrics

@@ -1,5 +1,5 @@
 """How long the engine supervisor waits for what, in seconds unless said otherwise (the
-``supervision`` settings, carried to it by ``gateway.engine_plan.timings_from``)."""
+``supervision`` settings, carried to it by ``gateway.backends.engine_plan.timings_from``)."""
 
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ from PIL import Image
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from loragate.gateway.app import create_app
-from loragate.gateway.engine_names import AnyVersionRename
-from loragate.gateway.engine_routes import ENGINE_ROUTES, engine_route
+from loragate.gateway.backends.engine_names import AnyVersionRename
+from loragate.gateway.routes.engine_allow_list import ENGINE_ROUTES, engine_route
 from loragate.gateway.tracing import trace_headers_of
 from loragate.settings import Settings
 from tests.backend_double import serving

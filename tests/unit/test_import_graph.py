@@ -166,5 +166,5 @@ def test_nothing_imports_the_cli_the_engine_plugin_or_the_checkouts_tools() -> N
 def test_the_graph_is_read_at_all() -> None:
     # A parser that found nothing would pass every rule above.
     assert len(MODULES) > 80
-    assert "loragate.adapters.manager" in GRAPH["loragate.gateway.engine_backend"]
+    assert "loragate.adapters.manager" in GRAPH["loragate.gateway.backends.supervised"]
     assert "loragate.supervisor.engine" in GRAPH["loragate.adapters.manager"]

@@ -366,10 +366,10 @@ async def test_a_refused_layout_is_the_reason_health_gives(
 ) -> None:
     """A model resolved at start-up (not seen by the command line's preflight) is checked
     before the engine boots, and /health says why it will not."""
-    from loragate.gateway.engine_backend import SupervisedEngineBackend
+    from loragate.gateway.backends.supervised import SupervisedEngineBackend
     from tools.bench.targets import write_fake_model
 
-    monkeypatch.setattr("loragate.gateway.engine_plan.is_cpu_build", lambda python: True)
+    monkeypatch.setattr("loragate.gateway.backends.engine_plan.is_cpu_build", lambda python: True)
     settings = Settings(
         model=str(write_fake_model(tmp_path / "model")), cache_dir=tmp_path / "cache",
         distributed_executor_backend="ray", tool_call_parser="none", cpu_lora_ops=False,

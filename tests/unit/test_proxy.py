@@ -13,9 +13,9 @@ from starlette.responses import Response
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import (
     ProxyClient,
+    RelayResponse,
     Rename,
     UpstreamUnreachable,
-    _RelayResponse,
 )
 from loragate.http import oneshot
 
@@ -285,7 +285,7 @@ async def die_mid_stream(
 
 async def piped(response: Response) -> list[bytes]:
     """Run a streamed response as the hot-route protocol does: ``pipe``, then ``close``."""
-    assert isinstance(response, _RelayResponse)
+    assert isinstance(response, RelayResponse)
     written: list[bytes] = []
     try:
         await response.pipe(written.append)

@@ -16,7 +16,7 @@ import pytest
 
 from loragate.adapters.progress import report_bytes, report_stage
 from loragate.gateway.app import create_app
-from loragate.gateway.routes_ui import page_files
+from loragate.gateway.routes.ui import page_files
 from tests.backend_double import ManagedBackendDouble, settings_for
 
 KEY = "admin-secret"

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from loragate.gateway.upstream_backend import UpstreamBackend, split_upstream_url
+from loragate.gateway.backends.upstream import UpstreamBackend, split_upstream_url
 from loragate.settings import Settings
 
 MODELS = {

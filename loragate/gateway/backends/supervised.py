@@ -28,14 +28,14 @@ from loragate.adapters.pipeline import AdapterPipeline
 from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.stats import AdapterStats
 from loragate.adapters.store import AdapterStore
-from loragate.gateway.backend import EngineCall
-from loragate.gateway.engine_metrics import scrape_engine_metrics
-from loragate.gateway.engine_names import AnyVersionRename
-from loragate.gateway.engine_plan import plan_engine, timings_from
+from loragate.gateway.backends.base import EngineCall
+from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
+from loragate.gateway.backends.engine_names import AnyVersionRename
+from loragate.gateway.backends.engine_plan import plan_engine, timings_from
+from loragate.gateway.backends.resend import ResendBudget
 from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable
 from loragate.gateway.requests.media import ENGINE_MEDIA_ARGS, engine_media_env
-from loragate.gateway.resend import ResendBudget
 from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.settings import Settings
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable

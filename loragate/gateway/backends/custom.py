@@ -11,7 +11,7 @@ Datature Vi SDK's, so a Vi backend ports by changing its base class:
 - ``generate_vi_format`` / ``generate_stream_vi_format(source, user_prompt, ...)``: what Vi
   requests reach; by default they build the OpenAI messages and call the two above.
 
-``inference_adapter.InferenceBackendAdapter`` turns one into the ``GatewayBackend`` the
+``custom_adapter.InferenceBackendAdapter`` turns one into the ``GatewayBackend`` the
 routes talk to.
 """
 

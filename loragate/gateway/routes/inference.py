@@ -21,7 +21,7 @@ from starlette.responses import Response
 from loragate.gateway.auth import HasHeaders
 from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.metrics import current_observation
-from loragate.gateway.request_body import read_json_object
+from loragate.gateway.requests.body import read_json_object
 from loragate.gateway.runtime import Gateway
 from loragate.gateway.tracing import current_trace, trace_headers_of
 

@@ -10,10 +10,10 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse, Response
 
 from loragate.adapters.manager import AdapterError, AdapterManager
-from loragate.gateway.engine_backend import SupervisedEngineBackend
+from loragate.gateway.backends.supervised import SupervisedEngineBackend
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.openapi_schemas import LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAPTER, json_body
-from loragate.gateway.request_body import read_json_object
+from loragate.gateway.requests.body import read_json_object
 from loragate.gateway.runtime import Gateway
 from loragate.supervisor.process_tree import tree_rss_bytes
 

@@ -1,4 +1,4 @@
-"""The engine's own /metrics, as the gateway's scrape shows it, and the gateway's process metrics.
+"""The engine's own /metrics, as the gateway's scrape shows it.
 
 The engine's series are appended to the gateway's scrape (``metrics_scrape.render``) with three
 changes, so one scrape target reads as one service:
@@ -9,7 +9,8 @@ changes, so one scrape target reads as one service:
   the zero adapter's becoming the base model's;
 - the engine's ``process_*`` and ``python_*`` families are dropped: those names belong to the
   process being scraped, the gateway, whose own come from ``prometheus_client``'s standard
-  collectors (``process_*`` with open fds and start time, ``python_info``), once.
+  collectors (``process_*`` with open fds and start time, ``python_info``; ``process_metrics``),
+  once.
 """
 
 from __future__ import annotations
@@ -18,47 +19,12 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from prometheus_client import (
-    CollectorRegistry,
-    Gauge,
-    PlatformCollector,
-    ProcessCollector,
-    generate_latest,
-)
-
 from loragate.http import oneshot
 
 log = logging.getLogger("loragate.gateway")
 
 _OWN_FAMILIES = (b"process_", b"python_")
 _COMPONENT = b'component="engine"'
-
-_registry = CollectorRegistry(auto_describe=True)
-ProcessCollector(registry=_registry)
-PlatformCollector(registry=_registry)
-_build = Gauge(
-    "loragate_build_info",
-    "loragate's version (the value is always 1).",
-    ["version"],
-    registry=_registry,
-)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("loragate")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-_build.labels(version=_version()).set(1)
-
-
-def gateway_process_metrics() -> bytes:
-    """``process_*``, ``python_info`` and ``loragate_build_info``, as prometheus_client writes them."""
-    return generate_latest(_registry)
 
 
 def relabel_engine_metrics(text: bytes, rename: Callable[[bytes], bytes] | None) -> bytes:

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import orjson
 from starlette.responses import Response
 
-from loragate.gateway.backend import EngineCall
+from loragate.gateway.backends.base import EngineCall
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import ProxyClient, Rename
 from loragate.gateway.tracing import outgoing_trace_headers

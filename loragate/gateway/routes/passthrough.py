@@ -1,6 +1,6 @@
 """The engine's other OpenAI-compatible routes, passed through from an allow-list.
 
-Every route in ``engine_routes.ENGINE_ROUTES`` gets a handler here, and nothing else reaches
+Every route in ``engine_allow_list.ENGINE_ROUTES`` gets a handler here, and nothing else reaches
 the engine: its admin routes stay unreachable. Each request gets what the chat routes get:
 the caller's key, the body limit, a request id, metrics and the access log, the W3C trace
 headers, and the model renamed (public name in, engine id out; back again in the answer and
@@ -25,13 +25,13 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
-from loragate.gateway.backend import EngineCall
-from loragate.gateway.engine_routes import ENGINE_ROUTES, EngineRoute
+from loragate.gateway.backends.base import EngineCall
 from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.metrics import current_observation
-from loragate.gateway.request_body import check_declared_length, read_json_object, too_large
+from loragate.gateway.requests.body import check_declared_length, read_json_object, too_large
 from loragate.gateway.requests.responses import check_responses_request
-from loragate.gateway.routes_inference import admit, target_model
+from loragate.gateway.routes.engine_allow_list import ENGINE_ROUTES, EngineRoute
+from loragate.gateway.routes.inference import admit, target_model
 from loragate.gateway.runtime import Gateway
 
 router = APIRouter()

@@ -16,7 +16,7 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import StreamingResponse
 
-from loragate.gateway.backend import engine_snapshot_of
+from loragate.gateway.backends.base import engine_snapshot_of
 from loragate.gateway.log_tail import engine_lines, gateway_lines, merged
 from loragate.gateway.runtime import Gateway
 

@@ -1,9 +1,9 @@
 """Serving a custom ``InferenceBackend`` as the ``GatewayBackend`` the routes talk to.
 
 ``InferenceBackendAdapter`` builds OpenAI ``chat.completion`` bodies (always with ``usage``)
-and ``chat.completion.chunk`` server-sent events (``inference_events``), and gives ``n``,
+and ``chat.completion.chunk`` server-sent events (``custom_events``), and gives ``n``,
 ``stop`` and ``stream_options.include_usage`` OpenAI's meaning whatever the backend does with
-them (``inference_parameters``). A Vi request reaches the backend's Vi entry points.
+them (``custom_parameters``). A Vi request reaches the backend's Vi entry points.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from typing import Any
 import orjson
 from starlette.responses import Response, StreamingResponse
 
-from loragate.gateway.backend import GatewayBackend
-from loragate.gateway.errors import OpenAIError
-from loragate.gateway.inference_backend import GenerationResult, InferenceBackend
-from loragate.gateway.inference_events import ChunkEvents, openai_usage
-from loragate.gateway.inference_parameters import (
+from loragate.gateway.backends.base import GatewayBackend
+from loragate.gateway.backends.custom import GenerationResult, InferenceBackend
+from loragate.gateway.backends.custom_events import ChunkEvents, openai_usage
+from loragate.gateway.backends.custom_parameters import (
     StopScanner,
     cut_at_stop,
     generation_config_of,
     stop_strings,
 )
+from loragate.gateway.errors import OpenAIError
 from loragate.gateway.requests.chat import ChatRequest
 from loragate.gateway.requests.vi import ViRequest
 
