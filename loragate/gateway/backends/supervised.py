@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -23,11 +22,9 @@ from starlette.responses import Response
 
 from loragate.adapters.fleet_reconciler import FleetReconciler
 from loragate.adapters.manager import AdapterError, AdapterManager
-from loragate.adapters.manifest import Manifest
-from loragate.adapters.pipeline import AdapterPipeline
 from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.stats import AdapterStats
-from loragate.adapters.store import AdapterStore
+from loragate.adapters.wiring import adapter_manager_for
 from loragate.gateway.backends.base import EngineCall
 from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
 from loragate.gateway.backends.engine_names import AnyVersionRename
@@ -145,28 +142,15 @@ class SupervisedEngineBackend:
         )
         # The same CPU-build guard: never more distinct adapters in flight than engine slots.
         self.slots = AdapterSlots(settings.max_loras + 1) if self.zero_adapter else None
-        adapters_root = self.cache_dir / "adapters"
-        store = AdapterStore(adapters_root, max_bytes=settings.store_max_bytes)
-        model_key = hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]
-        manifest = Manifest(adapters_root / "manifests" / f"{model_key}.json").load()
-        pipeline = AdapterPipeline(
-            store=store,
-            base_dir=model_dir,
-            base_config=base_config,
-            max_lora_rank=settings.max_lora_rank,
-        )
-        self.manager = AdapterManager(
-            store=store,
-            manifest=manifest,
+        self.manager = adapter_manager_for(
+            settings,
+            self.cache_dir,
+            model_dir,
+            base_config,
             engine=self.engine,
             supervisor=self.supervisor,
             base_name=self.base_name,
-            base_config=base_config,
-            prepare=pipeline,
-            zero_adapter_root=adapters_root / "zero" if self.zero_adapter else None,
-            drain_timeout=settings.drain_timeout,
-            ready_timeout=settings.queue_deadline,
-            follow_interval=settings.follow_interval,
+            zero_adapter=self.zero_adapter,
         )
         if settings.adapters_manifest:
             # The manifest names every adapter (the demo's and a Vi run's included).
