@@ -3,10 +3,10 @@ GGUF file dequantized once into the cache (``loragate.adapters.gguf_model``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from loragate.adapters.json_file import read_json_object
 from loragate.adapters.model_cache import (
     MODELS_DIRNAME,
     BaseModelError,
@@ -97,10 +97,4 @@ def read_base_config(model_dir: Path) -> dict[str, Any]:
         raise BaseModelError(
             f"{model_dir} has no config.json: it is not a Hugging Face model directory"
         )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BaseModelError(f"{path} is not valid JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise BaseModelError(f"{path} must hold a JSON object")
-    return config
+    return read_json_object(path, BaseModelError)

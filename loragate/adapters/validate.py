@@ -9,11 +9,11 @@ engine flag to raise.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loragate.adapters.json_file import read_json_object
 from loragate.adapters.peft_layout import (
     CONFIG_FILENAME,
     CONVERT_HINT,
@@ -162,13 +162,7 @@ def _read_config(peft_dir: Path) -> dict[str, Any]:
         raise AdapterRejected(
             f"{peft_dir} has no {CONFIG_FILENAME}: it is not a PEFT adapter; {CONVERT_HINT}"
         )
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterRejected(f"{path} is not valid JSON ({exc}); fix or re-export it") from exc
-    if not isinstance(config, dict):
-        raise AdapterRejected(f"{path} must hold a JSON object")
-    return config
+    return read_json_object(path, AdapterRejected, "; fix or re-export it")
 
 
 def _check_config(config: dict[str, Any]) -> None:

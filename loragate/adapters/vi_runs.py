@@ -8,10 +8,11 @@ A downloaded run looks like::
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
+
+from loragate.adapters.json_file import read_json_object
 
 VI_FULL_DIRNAME = "model_full"
 VI_ADAPTER_DIRNAME = "model_adapter"
@@ -44,12 +45,7 @@ def vi_run_layout(run_dir: Path) -> tuple[Path, Path | None, dict[str, Any]]:
         raise ViRunError(
             f"{run_dir} has no {VI_FULL_DIRNAME}/{VI_RUN_INFO}; download the run again"
         )
-    try:
-        info = json.loads(info_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ViRunError(f"{info_path} is not valid JSON ({exc}); download the run again") from exc
-    if not isinstance(info, dict):
-        raise ViRunError(f"{info_path} must hold a JSON object; download the run again")
+    info = read_json_object(info_path, ViRunError, "; download the run again")
     return full_dir, (adapter_dir if adapter_dir.is_dir() else None), info
 
 

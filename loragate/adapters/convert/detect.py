@@ -5,7 +5,6 @@ Cheap: reads JSON and safetensors headers only, never the tensors.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from loragate.adapters.convert.errors import ConversionError
 from loragate.adapters.convert.mlx import MLX_WEIGHTS
 from loragate.adapters.convert.peft_bin import BIN_WEIGHTS
 from loragate.adapters.convert.tinker import TINKER_MARKER, is_tinker_key
+from loragate.adapters.json_file import read_json_object
 from loragate.adapters.peft_layout import CONFIG_FILENAME, WEIGHTS_FILENAME
 from loragate.adapters.safetensors_header import SafetensorsError, read_safetensors_header
 from loragate.adapters.vi_runs import is_vi_run
@@ -71,13 +71,7 @@ def read_json(path: Path) -> dict[str, Any]:
     """The JSON object in ``path``; empty when the file is absent."""
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConversionError(f"{path} is not valid JSON ({exc}); fix or re-export it") from exc
-    if not isinstance(data, dict):
-        raise ConversionError(f"{path} must hold a JSON object")
-    return data
+    return read_json_object(path, ConversionError, "; fix or re-export it")
 
 
 def _looks_like_tinker(src_dir: Path, weights: Path) -> bool:
