@@ -583,3 +583,22 @@ async def test_invalid_guided_json_and_structured_outputs_schemas_are_refused(
 
 async def test_guided_json_beside_response_format_is_refused(settings: Settings) -> None:
     await refused(with_format({"type": "json_object"}, guided_json=SCHEMA), settings)
+
+
+async def test_a_schema_sent_as_a_string_is_parsed_or_refused_naming_its_field(
+    settings: Settings,
+) -> None:
+    text = orjson.dumps(SCHEMA).decode()
+    body = await normalize(
+        {"messages": [{"role": "user", "content": "hi"}], "guided_json": text}, settings
+    )
+    assert body["response_format"]["json_schema"]["schema"] == SCHEMA
+    for field, payload in (
+        ("guided_json", {"guided_json": "{not json"}),
+        ("structured_outputs.json", {"structured_outputs": {"json": "{not json"}}),
+    ):
+        error = await refused(
+            {"messages": [{"role": "user", "content": "hi"}], **payload}, settings
+        )
+        assert (error.code, error.param) == ("invalid_json_schema", field)
+        assert error.message == f"'{field}' is not valid JSON."

@@ -23,6 +23,7 @@ from loragate.adapters.store import AdapterStore
 from loragate.supervisor.engine import EngineEndpoint
 from loragate.supervisor.engine_client import EngineClient
 from loragate.supervisor.engine_command import EngineSpec, engine_env
+from tests.engine_doubles import QuietEngine, ServingSupervisor
 
 SIGNED = "https://alice:hunter2@bucket.example/adapters/a.tar.gz?X-Amz-Signature=topsecret"
 SECRETS = ("alice", "hunter2", "X-Amz-Signature", "topsecret")
@@ -41,22 +42,6 @@ def test_redact_hides_user_password_and_query() -> None:
 
 
 # ----- what the admin API and /health show -------------------------------------------------
-
-
-class QuietEngine:
-    async def load_adapter(self, engine_id: str, path: Path) -> None:
-        return None
-
-    async def unload_adapter(self, engine_id: str) -> None:
-        return None
-
-    async def served_ids(self) -> set[str]:
-        return set()
-
-
-class ServingSupervisor:
-    async def wait_until_serving(self, timeout: float) -> None:
-        return None
 
 
 def adapter_dir(path: Path) -> Path:

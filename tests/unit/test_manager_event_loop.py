@@ -17,30 +17,10 @@ from loragate.adapters.manifest import Manifest
 from loragate.adapters.pipeline import PreparedVersion
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore, StoredAdapter
+from tests.engine_doubles import QuietEngine, ServingSupervisor
 
 BIG = 200 * 1024 * 1024
 TICK = 0.01
-
-
-class QuietEngine:
-    """The engine admin calls the manager makes, answered at once."""
-
-    def __init__(self) -> None:
-        self.loaded: dict[str, Path] = {}
-
-    async def load_adapter(self, engine_id: str, path: Path) -> None:
-        self.loaded[engine_id] = path
-
-    async def unload_adapter(self, engine_id: str) -> None:
-        self.loaded.pop(engine_id, None)
-
-    async def served_ids(self) -> set[str]:
-        return set()
-
-
-class ServingSupervisor:
-    async def wait_until_serving(self, timeout: float) -> None:
-        return None
 
 
 def adapter_source(path: Path, size: int, tag: str) -> Path:

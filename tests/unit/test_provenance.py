@@ -18,6 +18,7 @@ from loragate.adapters.pipeline import AdapterPipeline, PreparedVersion
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import ADAPTER_FILES, AdapterStore
 from tests.adapter_fixtures import llama_lora_shapes, peft_config, write_shaped_adapter
+from tests.engine_doubles import QuietEngine, ServingSupervisor
 
 TINY_LLAMA: dict[str, Any] = {
     "model_type": "llama",
@@ -31,25 +32,6 @@ TINY_LLAMA: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 SHA = "1" * 40
-
-
-class QuietEngine:
-    def __init__(self) -> None:
-        self.loaded: dict[str, Path] = {}
-
-    async def load_adapter(self, engine_id: str, path: Path) -> None:
-        self.loaded[engine_id] = path
-
-    async def unload_adapter(self, engine_id: str) -> None:
-        self.loaded.pop(engine_id, None)
-
-    async def served_ids(self) -> set[str]:
-        return set()
-
-
-class ServingSupervisor:
-    async def wait_until_serving(self, timeout: float) -> None:
-        return None
 
 
 def make_manager(tmp_path: Path, store: AdapterStore, prepare: Any) -> AdapterManager:

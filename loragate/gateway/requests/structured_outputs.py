@@ -22,6 +22,16 @@ def _bad(message: str, param: str, code: str = "invalid_request") -> OpenAIError
     return OpenAIError(400, message, param=param, code=code)
 
 
+def _schema_text(text: str, param: str) -> Any:
+    """A JSON schema sent as a string, parsed (vLLM accepts both forms)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise _bad(
+            f"'{param}' is not valid JSON.", param=param, code="invalid_json_schema"
+        ) from None
+
+
 def translate_guided(body: dict[str, Any]) -> None:
     """Turn the ``guided_*`` fields of ``body`` into ``response_format``/``structured_outputs``."""
     # vLLM 0.32 ignores the old guided_* fields silently; clients still sending them get what they meant.
@@ -37,14 +47,7 @@ def translate_guided(body: dict[str, Any]) -> None:
                 param="guided_json",
             )
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError:
-                raise _bad(
-                    "'guided_json' is not valid JSON.",
-                    param="guided_json",
-                    code="invalid_json_schema",
-                ) from None
+            schema = _schema_text(schema, "guided_json")
         body["response_format"] = {
             "type": "json_schema",
             "json_schema": {"name": "guided_json", "schema": schema},
@@ -89,14 +92,7 @@ def check_structured_outputs(structured: Any) -> None:
         raise _bad("'structured_outputs' must be an object.", param="structured_outputs")
     schema = structured.get("json")
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError:
-            raise _bad(
-                "'structured_outputs.json' is not valid JSON.",
-                param="structured_outputs.json",
-                code="invalid_json_schema",
-            ) from None
+        schema = _schema_text(schema, "structured_outputs.json")
     if schema is not None:
         check_json_schema(schema, "structured_outputs.json")
 
