@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import orjson
 from starlette.responses import Response
 
 from loragate.adapters.stats import AdapterStats
@@ -49,6 +50,19 @@ class EngineCall:
     public_model: str | None
     stream: bool
     request_id: str
+
+
+def json_post(
+    path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
+) -> EngineCall:
+    """``forward``'s request as an ``EngineCall``: ``payload`` as JSON, its model set to the id
+    the backend picks at send time."""
+
+    def body(model_id: str | None) -> bytes:
+        payload["model"] = model_id
+        return orjson.dumps(payload)
+
+    return EngineCall("POST", path, body, "application/json", public_model, stream, request_id)
 
 
 class RelayingBackend(GatewayBackend, Protocol):

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
 from starlette.responses import Response
 
 from loragate.adapters.fleet_reconciler import FleetReconciler
@@ -25,7 +24,7 @@ from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.stats import AdapterStats
 from loragate.adapters.wiring import adapter_manager_for
-from loragate.gateway.backends.base import EngineCall
+from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
 from loragate.gateway.backends.engine_names import AnyVersionRename
 from loragate.gateway.backends.engine_plan import plan_engine, timings_from
@@ -262,12 +261,7 @@ class SupervisedEngineBackend:
     async def forward(
         self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
     ) -> Response:
-        def body(engine_id: str | None) -> bytes:
-            payload["model"] = engine_id
-            return orjson.dumps(payload)
-
-        call = EngineCall("POST", path, body, "application/json", public_model, stream, request_id)
-        return await self.relay(call)
+        return await self.relay(json_post(path, payload, public_model, stream, request_id))
 
     async def relay(self, call: EngineCall) -> Response:
         """Send ``call`` to the engine once it serves, leasing the adapter version it names."""

@@ -17,10 +17,9 @@ import logging
 from typing import Any
 from urllib.parse import urlsplit
 
-import orjson
 from starlette.responses import Response
 
-from loragate.gateway.backends.base import EngineCall
+from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import ProxyClient, Rename
 from loragate.gateway.tracing import outgoing_trace_headers
@@ -142,12 +141,7 @@ class UpstreamBackend:
     async def forward(
         self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
     ) -> Response:
-        def body(upstream_id: str | None) -> bytes:
-            payload["model"] = upstream_id
-            return orjson.dumps(payload)
-
-        call = EngineCall("POST", path, body, "application/json", public_model, stream, request_id)
-        return await self.relay(call)
+        return await self.relay(json_post(path, payload, public_model, stream, request_id))
 
     async def relay(self, call: EngineCall) -> Response:
         upstream_id = None if call.public_model is None else self._to_upstream(call.public_model)
