@@ -1,4 +1,4 @@
-"""No module of the package over 400 lines: past that, a module holds more than one idea.
+"""No module of the package over 600 lines: past that, a module holds more than one idea.
 
 The house plan (docs/architecture.md) splits by responsibility; this keeps it that way.
 """
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import loragate
 
-LIMIT = 400
+LIMIT = 600
 PACKAGE = Path(loragate.__file__).resolve().parent
 
 
