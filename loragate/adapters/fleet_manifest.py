@@ -6,6 +6,11 @@ digest pin::
     {"adapters": {"support": {"source": "hf://acme/support-lora", "revision": "v3",
                               "follow": false, "digest": "3f1c0a9d2b7e"}}}
 
+A manifest that names no adapter is refused (the current adapters keep serving) unless it says
+so on purpose: ``{"adapters": {}, "allow_empty": true}``. A truncated file (``adapters:``),
+``adapters: null``, an empty file or one that is not a mapping would otherwise read as "serve
+nothing" and remove every adapter of every replica at once.
+
 Its revision is the sha256 of its bytes, so every replica computes the same value for the same
 manifest. It is fetched from a local file, an ``http(s)://`` URL or a file in a Hugging Face
 repository (``hf://ORG/REPO[@REV]/PATH``). These sources are the operator's choice (like an
@@ -55,30 +60,48 @@ def parse_fleet_manifest(data: bytes) -> FleetManifest:
     except UnicodeDecodeError:
         raise FleetManifestError("the adapters manifest is not UTF-8 text") from None
     document = _load(text)
-    if not isinstance(document, dict) or set(document) - {"adapters"}:
+    if not isinstance(document, dict) or "adapters" not in document or set(document) - _TOP:
         raise FleetManifestError(
-            'the adapters manifest must be an object with one key, "adapters": '
-            '{"adapters": {"NAME": {"source": ...}}}'
+            'the adapters manifest must be an object with the key "adapters" (and optionally '
+            '"allow_empty"): {"adapters": {"NAME": {"source": ...}}}'
+            + (" (it is empty: a truncated or missing file?)" if document is None else "")
         )
-    adapters = document.get("adapters") or {}
+    adapters, allow_empty = document["adapters"], document.get("allow_empty", False)
+    if not isinstance(allow_empty, bool):
+        raise FleetManifestError('"allow_empty" must be true or false')
+    if adapters is None:
+        raise FleetManifestError(
+            '"adapters" is empty (null): a truncated file? The adapters served now are kept; '
+            'to serve none, write {"adapters": {}, "allow_empty": true}'
+        )
     if not isinstance(adapters, dict):
         raise FleetManifestError('"adapters" must map adapter names to {"source": ...}')
+    if not adapters and not allow_empty:
+        raise FleetManifestError(
+            "the adapters manifest names no adapters; the adapters served now are kept. To "
+            'serve none, say so: {"adapters": {}, "allow_empty": true}'
+        )
     return FleetManifest(
         revision, {str(name): _desired(str(name), spec) for name, spec in adapters.items()}
     )
 
 
+_TOP = {"adapters", "allow_empty"}
+
+
 def _load(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        pass
     import yaml
 
     try:
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise FleetManifestError(f"the adapters manifest is neither JSON nor YAML: {exc}") from None
+    except RecursionError:  # both parsers recurse per level of nesting
+        raise FleetManifestError("the adapters manifest is nested too deeply") from None
 
 
 def _desired(name: str, spec: Any) -> DesiredAdapter:

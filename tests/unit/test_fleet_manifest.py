@@ -52,19 +52,71 @@ def test_json_and_yaml_say_the_same(data: bytes) -> None:
     }
 
 
-def test_a_name_may_map_to_its_source_alone_and_the_list_may_be_empty() -> None:
+def test_a_name_may_map_to_its_source_alone_and_the_list_may_be_empty_on_purpose() -> None:
     assert parse_fleet_manifest(b"adapters:\n  fox: /srv/fox\n").adapters == {
         "fox": DesiredAdapter("/srv/fox")
     }
-    assert parse_fleet_manifest(b'{"adapters": {}}').adapters == {}
-    assert parse_fleet_manifest(b"adapters:\n").adapters == {}
+    assert parse_fleet_manifest(b'{"adapters": {}, "allow_empty": true}').adapters == {}
+    assert parse_fleet_manifest(b"allow_empty: true\nadapters: {}\n").adapters == {}
 
 
 @pytest.mark.parametrize(
     ("data", "says"),
     [
-        (b"[1, 2]", "one key"),
-        (b'{"adapter": {}}', "one key"),
+        (b"adapters:\n", "truncated"),  # a file cut short after its first line
+        (b"adapters: null\n", "truncated"),
+        (b'{"adapters": null, "allow_empty": true}', "truncated"),
+        (b'{"adapters": {}}', "names no adapters.*allow_empty"),
+        (b"adapters: {}\nallow_empty: false\n", "names no adapters"),
+        (b"", "it is empty"),
+        (b"   \n# nothing but a comment\n", "it is empty"),
+        (b"null", "it is empty"),
+        (b"- fox\n- owl\n", "must be an object"),
+        (b"just some words", "must be an object"),
+        (b'{"adapters": {}, "allow_empty": "yes"}', "allow_empty.*true or false"),
+    ],
+    ids=[
+        "truncated-yaml",
+        "yaml-null",
+        "null-even-if-allowed",
+        "empty-without-allow",
+        "empty-allow-false",
+        "empty-file",
+        "only-a-comment",
+        "json-null",
+        "yaml-list",
+        "yaml-scalar",
+        "allow-empty-not-bool",
+    ],
+)
+def test_a_manifest_that_would_serve_nothing_by_accident_is_an_error(
+    data: bytes, says: str
+) -> None:
+    with pytest.raises(FleetManifestError, match=says):
+        parse_fleet_manifest(data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"adapters": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
+        b"adapters: " + b"[" * 200_000 + b"]" * 200_000,
+        b"adapters:\n" + b"".join(b"  " * i + b"a:\n" for i in range(1, 700)),
+    ],
+    ids=["json", "yaml-flow", "yaml-block"],
+)
+def test_a_deeply_nested_manifest_is_a_clean_parse_error(data: bytes) -> None:
+    assert len(data) < MAX_MANIFEST_BYTES  # within what a fetch lets through
+    with pytest.raises(FleetManifestError, match="nested too deeply"):
+        parse_fleet_manifest(data)
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (b"[1, 2]", "must be an object with the key"),
+        (b'{"adapter": {}}', "must be an object with the key"),
+        (b'{"adapters": {"fox": "/x"}, "other": 1}', "must be an object with the key"),
         (b'{"adapters": ["fox"]}', "map adapter names"),
         (b'{"adapters": {"fox": {"sorce": "/x"}}}', "unknown field.*sorce"),
         (b'{"adapters": {"fox": {"revision": "v1"}}}', "needs a source"),
