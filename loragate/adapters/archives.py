@@ -97,6 +97,7 @@ def extract_archive(
                         f"the archive unpacks to more than the limit {max_bytes} bytes"
                     )
                 target = staging.joinpath(*PurePosixPath(member.name).parts)
+                _refuse_clash(staging, target, member)
                 if member.is_dir:
                     target.mkdir(parents=True, exist_ok=True)
                     continue
@@ -120,6 +121,24 @@ def extract_archive(
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+def _refuse_clash(staging: Path, target: Path, member: _Member) -> None:
+    """Refuse a member whose path needs a file where a directory was unpacked, or the other way
+    round (``a`` and ``a/b``): the file system would raise ``FileExistsError`` or
+    ``IsADirectoryError``, which says nothing about the archive. A file given twice is allowed
+    (the later copy wins, as with ``tar -x``)."""
+    for parent in target.relative_to(staging).parents:
+        if parent != Path(".") and (staging / parent).is_file():
+            raise UnsafeArchiveError(
+                f"archive member {member.name!r} is inside {parent.as_posix()!r}, which the "
+                "archive also holds as a file; refused"
+            )
+    if target.is_dir() != member.is_dir and target.exists():
+        held = "a directory" if target.is_dir() else "a file"
+        raise UnsafeArchiveError(
+            f"archive member {member.name!r} is also in the archive as {held}; refused"
+        )
 
 
 def _check_zip_directory(archive: Path, max_members: int) -> None:

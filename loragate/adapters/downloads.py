@@ -2,8 +2,8 @@
 
 The whole transfer has a deadline as well as a per-read timeout, so a server that trickles
 bytes cannot hold the caller forever. Bytes go to ``<name>.part`` beside the target, with the validator (ETag or Last-Modified)
-in ``<name>.part.json``. A later attempt for the same key asks for the rest with
-``Range`` + ``If-Range``: the server sends the remainder (206) if the file is unchanged,
+in ``<name>.part.json``; a failed local write (a full disk) discards both. A later attempt
+for the same key asks for the rest with ``Range`` + ``If-Range``: the server sends the remainder (206) if the file is unchanged,
 or the whole new file (200) if it changed. The target appears only when complete.
 """
 
@@ -190,6 +190,12 @@ def _download(
             f"downloading {redact(url)} failed ({exc.__class__.__name__}: {exc}); run it again "
             "to resume where it stopped"
         ) from exc
+    except OSError:
+        # Writing here failed (a full disk, most often; the network's errors are httpx's):
+        # a partial file would only hold on to the space that is missing. The caller turns
+        # the error into what a client sees ("no space left on device").
+        _discard(part, meta_path)
+        raise
     finally:
         if own_client:
             http.close()

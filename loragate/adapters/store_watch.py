@@ -6,8 +6,10 @@ that directory. The gateway verifies a version before each load it makes, but th
 own reloads go unchecked; so every ``interval`` this watch looks at each adapter's active
 version and, when its files changed on disk since they were last found good, verifies them.
 A damaged version is stored again from the adapter's source (the same content lands in the
-same place, so the engine's next reload reads good weights); when the source cannot give it
-back, the adapter is marked failed with the reason, for ``/health`` and the admin API.
+same place, so the engine's next reload reads good weights), and only if the source still
+gives exactly that version (its digest is the pin); when the source cannot give it back, or
+now holds other weights, the adapter is marked failed with the reason, for ``/health`` and
+the admin API, and keeps the version it had.
 
 Checking is cheap when nothing changed: a ``stat`` per file; files are hashed only after a
 change of size, mtime or inode.
@@ -107,12 +109,18 @@ class StoreWatch:
         manager.counters["store_repairs"] += 1
         try:
             origin = entry.provenance
-            await manager.put(name, origin.source, origin.revision, follow=entry.follow)
-        except AdapterError as exc:
-            manager.failures[name] = (
-                f"{problem}; it could not be stored again from {shown} ({exc}): "
-                "PUT a good copy or roll back"
+            # Pinned to the damaged version's own digest: a repair restores these weights or
+            # nothing. A source that moved on (a new upload, a moved tag) must not go live in
+            # its place unasked, whether or not the adapter follows its source.
+            await manager.put(
+                name, origin.source, origin.revision, follow=entry.follow, digest=entry.active
             )
+        except AdapterError as exc:
+            if exc.code == "digest_mismatch":
+                why = f"the source no longer holds this version ({exc}), so nothing was swapped"
+            else:
+                why = f"it could not be stored again from {shown} ({exc})"
+            manager.failures[name] = f"{problem}; {why}: PUT a good copy or roll back"
             log.error("adapter %s: %s", name, manager.failures[name])
             return False
         log.info("adapter %s: stored again from %s", name, shown)

@@ -9,6 +9,7 @@ engine flag to raise.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,9 +193,36 @@ def _check_config(config: dict[str, Any]) -> None:
         raise AdapterRejected(
             f"adapter_config.json r must be a positive integer, got {config['r']!r}"
         )
-    if not isinstance(config["lora_alpha"], int | float) or isinstance(config["lora_alpha"], bool):
+    _check_alpha("lora_alpha", config["lora_alpha"])
+    for field, check in (("rank_pattern", _check_rank_value), ("alpha_pattern", _check_alpha)):
+        pattern = config.get(field)
+        if pattern in (None, {}):
+            continue
+        if not isinstance(pattern, dict):
+            raise AdapterRejected(
+                f"adapter_config.json {field} must map module names to numbers, got {pattern!r}"
+            )
+        for module, value in pattern.items():
+            check(f"{field}[{module!r}]", value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_alpha(field: str, value: Any) -> None:
+    # JSON as Python reads it takes NaN and Infinity: vLLM would scale every weight by them.
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
         raise AdapterRejected(
-            f"adapter_config.json lora_alpha must be a number, got {config['lora_alpha']!r}"
+            f"adapter_config.json {field} must be a finite number above 0, got {value!r}"
+        )
+
+
+def _check_rank_value(field: str, value: Any) -> None:
+    whole = _is_number(value) and math.isfinite(value) and float(value).is_integer()
+    if not whole or value < 1:
+        raise AdapterRejected(
+            f"adapter_config.json {field} must be a positive whole number, got {value!r}"
         )
 
 
@@ -287,11 +315,9 @@ def _check_module(a: LoraKey, b: LoraKey, tensors: dict[str, Any], geometry: _Ge
 
 
 def _pattern_ranks(config: dict[str, Any]) -> list[int]:
+    # Checked by _check_config: every value is a positive whole number.
     pattern = config.get("rank_pattern") or {}
-    ranks = [int(config["r"])]
-    if isinstance(pattern, dict):
-        ranks += [int(v) for v in pattern.values() if isinstance(v, int | float)]
-    return ranks
+    return [int(config["r"]), *(int(v) for v in pattern.values())]
 
 
 def smallest_max_lora_rank(rank: int) -> int | None:

@@ -357,11 +357,20 @@ def test_downloaded_file_that_is_not_an_archive_is_refused(
 
 @pytest.fixture
 def fake_hub(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, adapter_dir: Path
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    adapter_dir: Path,
+    archive_server: ArchiveServer,
 ) -> list[dict[str, Any]]:
-    """snapshot_download answered from a fake cache: records its calls, returns snapshots/<sha>."""
-    import huggingface_hub
+    """snapshot_download answered from a fake cache: records its calls, returns snapshots/<sha>.
 
+    The hub's API is ``archive_server`` (a tree listing is a file put there; none: 404), so
+    nothing asks huggingface.co.
+    """
+    import huggingface_hub
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", archive_server.url)
     calls: list[dict[str, Any]] = []
 
     def snapshot_download(repo_id: str, **kwargs: Any) -> str:
@@ -410,6 +419,52 @@ def test_hf_source_subdirectory_is_fetched_alone(
         "adapter_config.json",
         "adapter_model.safetensors",
     ]
+
+
+def hub_listing(files: dict[str, int]) -> bytes:
+    """The hub's answer to ``GET /api/models/REPO/tree/REV?recursive=True``: path -> size."""
+    return json.dumps(
+        [
+            {"type": "file", "path": path, "size": size, "oid": "0" * 40}
+            for path, size in files.items()
+        ]
+    ).encode()
+
+
+def test_hf_source_the_hub_lists_larger_than_the_cap_is_refused_before_downloading(
+    fake_hub: list[dict[str, Any]], archive_server: ArchiveServer, tmp_path: Path
+) -> None:
+    archive_server.files["/api/models/acme/huge/tree/main"] = hub_listing(
+        {"adapter_config.json": 300, "adapter_model.safetensors": 3 * 1024**3}
+    )
+    with pytest.raises(SourceError, match=r"3221225772 bytes of files, more than the limit"):
+        fetch_source("hf://acme/huge", tmp_path / "dest", progress=False, max_bytes=2 * 1024**3)
+    assert fake_hub == []  # nothing was downloaded
+    assert archive_server.requests[0][1].startswith("/api/models/acme/huge/tree/main?")
+    assert _leftovers(tmp_path, tmp_path / "dest") == []
+
+
+def test_hf_source_within_the_listed_cap_is_fetched(
+    fake_hub: list[dict[str, Any]], archive_server: ArchiveServer, tmp_path: Path
+) -> None:
+    archive_server.files["/api/models/acme/lora/tree/main"] = hub_listing(
+        {"adapter_config.json": 300, "adapter_model.safetensors": 17_000}
+    )
+    fetched = fetch_source("hf://acme/lora", tmp_path / "dest", progress=False, max_bytes=99_000)
+    assert (fetched.path / "adapter_model.safetensors").is_file() and len(fake_hub) == 1
+
+
+def test_hf_source_larger_than_the_cap_is_refused_when_the_hub_lists_no_sizes(
+    fake_hub: list[dict[str, Any]], adapter_dir: Path, tmp_path: Path
+) -> None:
+    # No listing (the hub answers 404, as when it cannot be asked): the copy counts the bytes.
+    size = sum(p.stat().st_size for p in adapter_dir.iterdir())
+    source = "hf://acme/lora/sub/dir"  # the fake repo holds the adapter there once
+    with pytest.raises(SourceError, match=f"more than the limit of {size - 1} bytes"):
+        fetch_source(source, tmp_path / "dest", progress=False, max_bytes=size - 1)
+    assert _leftovers(tmp_path, tmp_path / "dest") == []
+    fetched = fetch_source(source, tmp_path / "dest", progress=False, max_bytes=size)
+    assert (fetched.path / "adapter_model.safetensors").is_file()
 
 
 def test_hf_source_with_two_different_revisions_is_refused(tmp_path: Path) -> None:

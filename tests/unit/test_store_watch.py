@@ -26,12 +26,20 @@ class FakeManager:
         self.source_gone = source_gone
 
     async def put(
-        self, name: str, source: str, revision: str | None = None, follow: bool = False
+        self,
+        name: str,
+        source: str,
+        revision: str | None = None,
+        follow: bool = False,
+        *,
+        digest: str | None = None,
     ) -> dict[str, Any]:
         self.puts.append(name)
         if self.source_gone:
             raise AdapterError(f"{source} does not exist")
-        self.store.put_dir(Path(source))
+        stored = self.store.put_dir(Path(source))
+        if digest is not None and not stored.digest.startswith(digest):
+            raise AdapterError("another version", status=409, code="digest_mismatch")
         self.failures.pop(name, None)
         return {}
 

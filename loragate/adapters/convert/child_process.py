@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ from loragate.adapters.convert.errors import ConversionError
 from loragate.adapters.convert.to_peft import convert_to_peft
 
 ERROR_MARKER = "loragate-convert-error: "
+# Starts the message when the disk filled up, so the parent raises ENOSPC, not a bad adapter.
+NO_SPACE = "no space left on device: "
 
 
 def convert_in_subprocess(
@@ -42,7 +45,11 @@ def convert_in_subprocess(
     except OSError as exc:
         raise ConversionError(f"cannot start {command[0]} to convert {src}: {exc}") from exc
     if done.returncode != 0:
-        raise ConversionError(_child_error(done.stderr, done.returncode))
+        message = _child_error(done.stderr, done.returncode)
+        if message.startswith(NO_SPACE):
+            # The disk, not the adapter: the caller reports it as such (507).
+            raise OSError(errno.ENOSPC, f"converting {src}: {message[len(NO_SPACE) :]}")
+        raise ConversionError(message)
     return out
 
 
@@ -71,8 +78,13 @@ def main(argv: list[str] | None = None) -> int:
             base_config = read_base_config(args.base)
         name = args.base_model_name or (str(args.base) if args.base is not None else None)
         convert_to_peft(args.src, args.out, base_config, name)
-    except (ValueError, OSError) as exc:
-        print(f"{ERROR_MARKER}{' '.join(str(exc).split())}", file=sys.stderr)
+    except Exception as exc:  # whatever the files make fail: one line the parent can show
+        text = " ".join(str(exc).split())
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            text = f"{NO_SPACE}{text}"
+        elif not isinstance(exc, ValueError | OSError):
+            text = f"{type(exc).__name__}: {text}"
+        print(f"{ERROR_MARKER}{text}", file=sys.stderr)
         return 1
     print(args.out)
     return 0

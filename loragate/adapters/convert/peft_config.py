@@ -3,6 +3,7 @@ names and shapes, with the source config's fields where they still hold."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from loragate.adapters.convert.errors import ConversionError
@@ -83,6 +84,10 @@ def build_peft_config(
 def _rank(src_config: dict[str, Any], ranks: dict[str, int]) -> int:
     found = sorted(set(ranks.values()))
     declared = src_config.get("r")
+    if declared is not None and not _whole_number(declared):
+        raise ConversionError(
+            f"{CONFIG_FILENAME} r must be a positive whole number, got {declared!r}"
+        )
     if src_config.get("rank_pattern"):
         return int(declared) if declared else found[-1]
     if len(found) > 1:
@@ -96,3 +101,14 @@ def _rank(src_config: dict[str, Any], ranks: dict[str, int]) -> int:
             "config does not belong to these weights"
         )
     return found[0]
+
+
+def _whole_number(value: Any) -> bool:
+    """A rank as a config may give it: 8 or 8.0, never NaN, Infinity, 0 or true."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and float(value).is_integer()
+        and value >= 1
+    )

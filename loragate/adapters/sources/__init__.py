@@ -48,14 +48,15 @@ def fetch_source(
     Archives and downloads are unpacked into ``dest`` (absent or empty); a local directory
     is used in place. ``download_dir`` keeps partial downloads between attempts so they
     resume (default: ``dest``'s parent). Archives are capped at ``max_bytes`` (downloaded
-    and unpacked) and ``max_members``; each http(s) download must finish within ``deadline``
-    seconds. ``hf://`` repos come from the user's Hugging Face hub cache (downloaded there
-    when missing), or from ``hf_cache_dir`` when an earlier loragate downloaded them there.
+    and unpacked) and ``max_members``, ``hf://`` repos at ``max_bytes`` too; each http(s)
+    download must finish within ``deadline`` seconds. ``hf://`` repos come from the user's
+    Hugging Face hub cache (downloaded there when missing), or from ``hf_cache_dir`` when an
+    earlier loragate downloaded them there.
     """
     limits = FetchLimits(max_bytes, max_members, timeout, download_dir or dest.parent, deadline)
     try:
         if source.startswith("hf://"):
-            return fetch_hf(source, dest, revision, progress, hf_cache_dir)
+            return fetch_hf(source, dest, revision, progress, hf_cache_dir, limits.max_bytes)
         if source.startswith(("https://", "http://")):
             return fetch_url(source, dest, progress, limits)
         if source.startswith("tinker://"):

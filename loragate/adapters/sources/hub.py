@@ -49,15 +49,24 @@ def hf_progress_class(progress: bool) -> Any:
 
 
 def fetch_hf(
-    source: str, dest: Path, revision: str | None, progress: bool, cache_dir: Path | None
+    source: str,
+    dest: Path,
+    revision: str | None,
+    progress: bool,
+    cache_dir: Path | None,
+    max_bytes: int,
 ) -> FetchedSource:
     """Copy the repo (or its SUBDIR) at the revision into ``dest``, from the hub cache.
 
     The repo comes from the user's Hugging Face hub cache (downloaded there when missing),
-    or from ``cache_dir`` when an earlier loragate downloaded it there.
+    or from ``cache_dir`` when an earlier loragate downloaded it there. The files may total
+    at most ``max_bytes``, the cap of archive downloads: refused before anything is
+    downloaded when the hub lists larger files, and while copying otherwise (a cached repo,
+    a hub that lists no sizes).
     """
     repo, rev_in_source, sub = parse_hf_source(source)
     rev = _pick_revision(source, rev_in_source, revision)
+    _refuse_listed_size(source, repo, rev, sub, max_bytes)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -85,7 +94,7 @@ def fetch_hf(
     found = snapshot / sub if sub else snapshot
     if not found.is_dir():
         raise SourceError(f"{source}: the repository has no directory {sub!r} at this revision")
-    _copy_tree(found, dest)
+    _copy_tree(found, dest, source, max_bytes)
     provenance = Provenance(source, revision=commit or rev, fingerprint=commit)
     return FetchedSource(adapter_root(dest), "hf", provenance, commit=commit)
 
@@ -113,14 +122,59 @@ def _pick_revision(source: str, in_source: str | None, given: str | None) -> str
     return in_source or given
 
 
-def _copy_tree(src: Path, dest: Path) -> None:
-    """Copy ``src`` (following the hub cache's symlinks) to ``dest``, all or nothing."""
+def _refuse_listed_size(
+    source: str, repo: str, rev: str | None, sub: str | None, max_bytes: int
+) -> None:
+    """Refuse ``source`` when the hub lists its files as more than ``max_bytes`` together.
+
+    One listing call, before any download. When the hub cannot be asked (offline, no
+    token, down), the download decides and ``_copy_tree`` counts what arrived.
+    """
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    try:
+        listed = HfApi().list_repo_tree(
+            repo, path_in_repo=sub, recursive=True, revision=rev, token=hf_token()
+        )
+        total = sum(item.size or 0 for item in listed if isinstance(item, RepoFile))
+    except Exception:  # the hub raises many kinds; snapshot_download reports them better
+        return
+    if total > max_bytes:
+        raise SourceError(
+            f"{source} holds {total} bytes of files, more than the limit of {max_bytes} bytes "
+            "for an adapter; point at the adapter's own subdirectory (hf://ORG/REPO/SUBDIR) "
+            "or raise the limit if this is intended"
+        )
+
+
+def _copy_tree(src: Path, dest: Path, source: str, max_bytes: int) -> None:
+    """Copy ``src`` (following the hub cache's symlinks) to ``dest``, all or nothing, refusing
+    more than ``max_bytes`` in all."""
     if dest.exists() and any(dest.iterdir()):
         raise SourceError(f"cannot fetch into {dest}: it is not empty")
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.copy-", dir=dest.parent))
+    copied = 0
+
+    def copy_within_cap(from_path: str, to_path: str) -> object:
+        nonlocal copied
+        copied += os.stat(from_path).st_size
+        if copied > max_bytes:
+            raise SourceError(
+                f"{source} holds more than the limit of {max_bytes} bytes for an adapter; "
+                "point at the adapter's own subdirectory (hf://ORG/REPO/SUBDIR) or raise "
+                "the limit if this is intended"
+            )
+        return shutil.copy2(from_path, to_path)
+
     try:
-        shutil.copytree(src, staging / "tree", ignore=shutil.ignore_patterns(".cache", ".git"))
+        shutil.copytree(
+            src,
+            staging / "tree",
+            ignore=shutil.ignore_patterns(".cache", ".git"),
+            copy_function=copy_within_cap,
+        )
         if dest.exists():
             dest.rmdir()
         (staging / "tree").rename(dest)
