@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tools.bench.attackers import AttackPlan, AttackResult
 from tools.bench.soak import (
     FD_NOISE,
     RSS_NOISE_BYTES,
@@ -105,3 +106,39 @@ def test_answers_are_checked_against_the_adapter_that_was_asked() -> None:
     assert _misroute(SWAPPED, " PONG PONG") == ""
     assert _misroute(SWAPPED, " hoot hoot").startswith("misrouted")
     assert _misroute(SWAPPED, "gibberish").startswith("misrouted")
+
+
+def attack(**values: object) -> AttackResult:
+    plan = AttackPlan(host="127.0.0.1", port=1, idle=8, slow_headers=2, head_deadline_s=20)
+    outcome = AttackResult(plan, probes=100)
+    outcome.lifetimes = {"idle": [10.2, 10.4], "slow_header": [10.9]}
+    for name, value in values.items():
+        setattr(outcome, name, value)
+    return outcome
+
+
+def test_attackers_closed_in_time_with_every_probe_answered_pass() -> None:
+    soak = result(ok(1.0), kill_at=None)
+    soak.attack = attack()
+    assert soak.problems() == []
+    assert "2 closed by the gateway" in soak.report()
+
+
+def test_a_failed_liveness_probe_fails_the_soak() -> None:
+    soak = result(ok(1.0), kill_at=None)
+    soak.attack = attack(probe_failures=[(12.5, "HTTP/1.1 503 Service Unavailable")])
+    assert soak.problems() == [
+        "1 of 100 /health/live probes failed (first at 12.5 s: HTTP/1.1 503 Service Unavailable)"
+    ]
+
+
+def test_an_attacker_socket_held_past_the_deadline_fails_the_soak() -> None:
+    soak = result(ok(1.0), kill_at=None)
+    soak.attack = attack(lifetimes={"idle": [10.0, 95.0], "slow_header": [10.0]})
+    assert soak.problems() == ["1 idle connections lived past 20 s (longest 95.0 s)"]
+
+
+def test_a_gateway_that_never_closes_an_idle_socket_fails_the_soak() -> None:
+    soak = result(ok(1.0), kill_at=None)
+    soak.attack = attack(lifetimes={"slow_header": [10.0]}, open_at_end={"idle": 8})
+    assert soak.problems() == ["the gateway never closed an idle connection"]

@@ -1,11 +1,13 @@
-"""Soak: mixed streaming and plain load for a bounded time, adapter swaps, one engine kill.
+"""Soak: mixed streaming and plain load for a bounded time, adapter swaps, one engine kill,
+attacker sockets.
 
 ``python scripts/soak.py`` starts its own ``gateway serve`` on the demo (or takes ``--url`` of
 a running one) and, for ``--duration`` seconds, keeps ``--concurrency`` clients busy with chat
 requests to the base model, the three demo adapters and one adapter (``soak-swap``) that is
 swapped between two versions every ``--swap-every`` seconds, and every ``--hostile-every``
 seconds sends the next request of the hostile-input corpus (``hostile_inputs``), each of
-which must get its clear 4xx and fetch nothing. Halfway (``--kill-at``) it SIGKILLs the
+which must get its clear 4xx and fetch nothing, while ``attackers`` hold idle and slow-header
+sockets open and a prober asks ``/health/live`` twice a second. Halfway (``--kill-at``) it SIGKILLs the
 engine (the pid from ``GET /admin/engine``) and times its way back.
 
 Every request is classified. A failure is *expected* only when the request was in flight when
@@ -36,6 +38,7 @@ import httpx
 import psutil
 
 from loragate.demo.layout import DEMO_ADAPTERS, DEMO_MODEL_NAME
+from tools.bench.attackers import Attackers, AttackPlan, AttackResult
 from tools.bench.hostile_inputs import Canary, Hostile, corpus
 
 SWAPPED = "soak-swap"
@@ -92,6 +95,7 @@ class SoakResult:
     escaped: dict[str, int] = field(default_factory=dict)  # what the canary was made to serve
     adapters_before: list[str] = field(default_factory=list)
     adapters_after: list[str] = field(default_factory=list)  # those ready at the end
+    attack: AttackResult | None = None  # idle and slow-header sockets beside the load
 
     # ----- the verdict --------------------------------------------------------------------
 
@@ -155,6 +159,8 @@ class SoakResult:
         added = sorted(set(self.adapters_after) - set(self.adapters_before))
         if self.adapters_before and (lost or added):
             problems.append(f"adapters lost {lost}, added {added}")
+        if self.attack is not None:
+            problems += self.attack.problems()
         growth = self.rss_growth()
         if growth is not None and growth > RSS_NOISE_BYTES:
             problems.append(f"gateway RSS grew by {growth / 2**20:.1f} MiB")
@@ -221,6 +227,8 @@ class SoakResult:
         )
         for at, case, why in bad_hostile[:10]:
             lines.append(f"    at {at:.1f} s: {case}: {why}")
+        if self.attack is not None:
+            lines.append(self.attack.report())
         lines.append(
             f"adapters ready: start {len(self.adapters_before)}, end {len(self.adapters_after)}"
         )
@@ -318,6 +326,7 @@ class SoakPlan:
     swap_sources: tuple[str, str] = ("", "")
     hostile_every_s: float | None = 2.0  # None: no hostile requests
     media_dir: bool = False  # whether the gateway has an --allowed-media-dir
+    attack: AttackPlan | None = None  # None: no idle or slow-header attackers
 
 
 class Soak:
@@ -353,9 +362,14 @@ class Soak:
             if canary is not None:
                 cases = corpus(canary.port, media_dir=plan.media_dir)
                 tasks.append(asyncio.create_task(self._hostile(http, cases)))
+            attack = None
+            if plan.attack is not None:
+                attack = asyncio.create_task(Attackers(plan.attack).run(self._stop))
             await asyncio.sleep(plan.duration_s)
             self._stop.set()
             await asyncio.gather(*tasks)
+            if attack is not None:
+                self.result.attack = await attack
             await asyncio.sleep(3)  # let the last connections settle before the end sample
             self.result.end = self._sample()
             self.result.adapters_after = await self._ready_adapters(http)

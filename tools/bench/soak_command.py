@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from loragate.demo.layout import demo_adapter_dir, ensure_demo
+from tools.bench.attackers import AttackPlan
 from tools.bench.soak import Soak, SoakPlan, pid_listening_on
 
 # ----- the command line -----------------------------------------------------------------------
@@ -84,6 +85,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the --url gateway has an --allowed-media-dir (local files are refused with a 403 "
         "there, not a 400)",
     )
+    parser.add_argument(
+        "--idle-sockets", type=int, default=128, help="idle attacker sockets held at once [128]"
+    )
+    parser.add_argument(
+        "--slow-headers", type=int, default=4, help="slow-header attacker sockets [4]"
+    )
+    parser.add_argument(
+        "--head-deadline",
+        type=float,
+        default=20.0,
+        help="seconds within which the gateway must close an attacker's socket [20]",
+    )
+    parser.add_argument("--no-attack", action="store_true", help="no attacker sockets")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--cache-dir", type=Path, help="for the gateway it starts [a temp dir]")
     parser.add_argument("--json", type=Path, help="also write the full result here")
@@ -121,6 +135,15 @@ def main(argv: list[str] | None = None) -> int:
             swap_sources=sources,
             hostile_every_s=None if args.no_hostile else args.hostile_every,
             media_dir=bool(args.url) and args.has_media_dir,
+            attack=None
+            if args.no_attack
+            else AttackPlan(
+                host=httpx.URL(url).host,
+                port=httpx.URL(url).port or 80,
+                idle=args.idle_sockets,
+                slow_headers=args.slow_headers,
+                head_deadline_s=args.head_deadline,
+            ),
         )
         print(f"soaking {url} for {args.duration:g} s ...", flush=True)
         result = asyncio.run(Soak(plan).run())
