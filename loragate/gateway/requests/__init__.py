@@ -2,8 +2,8 @@
 
 ``chat`` brings a chat request to OpenAI's shape (``vi`` for Datature Vi's flat one,
 ``structured_outputs`` for response formats, ``vision_model`` for whether images are
-required); ``media`` checks its images (``image_fetch``, ``image_addresses``,
-``media_files``, ``media_pools``, ``image_limits``); ``parameters`` checks the generation
+required); ``media`` checks its images (``image_fetch``, ``media_files``,
+``media_pools``, ``image_limits``); ``parameters`` checks the generation
 parameters; ``responses`` checks a Responses API request.
 
 Nothing is imported here: the routes import the module they need, and the hot path pays

@@ -1,5 +1,7 @@
-"""One content part of a chat message, checked: text as it is, every image through the media
-policy and on as an OpenAI ``image_url`` part with a data URI, no URL the engine would fetch."""
+"""Content parts, checked: text as it is, every image through the media policy and on with a
+data URI, no URL the engine would fetch. ``check_part`` takes one part of a chat message (and
+brings it to OpenAI's ``image_url`` shape); ``check_body_media`` walks any other body the
+gateway forwards, whatever the route and wherever the parts sit, and checks them in place."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from typing import Any
 
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.requests.image_limits import ImageBudget
-from loragate.gateway.requests.media import MediaPolicy
+from loragate.gateway.requests.media import MediaPolicy, media_policy_of
+from loragate.settings import Settings
 
 # Part types whose image the gateway checks and sends on as an image_url data URI.
 IMAGE_PART_TYPES = frozenset({"image_url", "image", "input_image"})
@@ -80,3 +83,130 @@ async def check_part(part: Any, where: str, media: MediaPolicy, budget: ImageBud
             )
         return part  # inline data: nothing to fetch, the engine decodes it
     return part  # other kinds carry no URL (input_audio holds its data): the engine decides
+
+
+# ----- every other JSON body: the same policy, wherever in the body a part sits ---------------
+
+# How deep a forwarded body may nest: far past any real request (a JSON Schema included), and
+# short of the depth where walking it, or writing it again for the engine, would fail.
+MAX_BODY_DEPTH = 64
+# Fields the engine fetches media from: wherever they sit, the gateway checks them first.
+FETCHED_FIELDS = ("image_url", "audio_url", "video_url", "file_url")
+_INLINE_ONLY = ("audio_url", "video_url", "file_url")  # the gateway fetches images alone
+
+
+def _url_of(value: object) -> str | None:
+    """The URL a media field holds (``"<url>"`` or ``{"url": "<url>"}``), else None."""
+    if isinstance(value, dict):
+        value = value.get("url")
+    return value if isinstance(value, str) else None
+
+
+def _is_media_part(node: dict[str, Any]) -> bool:
+    kind = node.get("type")
+    if is_image_type(kind) or kind in _INLINE_ONLY or kind == "input_file":
+        return True
+    return any(_url_of(node.get(field)) is not None for field in FETCHED_FIELDS)
+
+
+def media_parts(body: Any) -> list[tuple[dict[str, Any], str]]:
+    """Every object in ``body`` the engine would read media from, with where it is, in the
+    body's order; a 400 for a body nested deeper than ``MAX_BODY_DEPTH``."""
+    found: list[tuple[dict[str, Any], str]] = []
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        node, where, depth = stack.pop()
+        if not isinstance(node, dict | list):
+            continue
+        if depth > MAX_BODY_DEPTH:
+            raise _bad(
+                f"The request body nests deeper than {MAX_BODY_DEPTH} levels (at {where}); "
+                "no request needs that.",
+                param=where,
+                code="body_too_deep",
+            )
+        if isinstance(node, list):
+            children = [(item, f"{where}[{i}]") for i, item in enumerate(node)]
+        else:
+            if _is_media_part(node):
+                found.append((node, where))
+            children = [(v, f"{where}.{k}" if where else str(k)) for k, v in node.items()]
+        stack.extend((child, at, depth + 1) for child, at in reversed(children))
+    return found
+
+
+async def check_body_media(
+    body: dict[str, Any], media: MediaPolicy, budget: ImageBudget, max_images: int
+) -> None:
+    """Check every media reference in ``body``, whatever the route and however deep, in place:
+    each image becomes the checked data URI (fetched, read or decoded by the gateway, the
+    chat route's policy and budgets), in the shape it came in; audio, video and files must be
+    inline already. 4xx naming the field; nothing is fetched when the count is over."""
+    parts = media_parts(body)
+    images = [where for part, where in parts if is_image_type(part.get("type"))] + [
+        where
+        for part, where in parts
+        if not is_image_type(part.get("type")) and _url_of(part.get("image_url")) is not None
+    ]
+    if len(images) > max_images:
+        raise _bad(
+            f"The request has {len(images)} images; this gateway allows {max_images} per request "
+            "(max_images_per_request).",
+            param=images[0].split(".", 1)[0].split("[", 1)[0],
+            code="too_many_images",
+        )
+    for part, where in parts:
+        await _check_in_place(part, where, media, budget)
+
+
+async def _check_in_place(
+    part: dict[str, Any], where: str, media: MediaPolicy, budget: ImageBudget
+) -> None:
+    kind = part.get("type")
+    if kind == "input_file":
+        raise _bad(
+            f"{where} is an input_file part; this gateway does not pass files to the engine. "
+            "Send text as input_text and images as input_image.",
+            param=where,
+            code="unsupported_content_part",
+        )
+    if kind == "input_image" and part.get("file_id") is not None:
+        raise _bad(
+            f"{where} names an image by file_id; this gateway has no file store: send the "
+            "image as image_url (a data: URI, an http(s) URL or a file in --allowed-media-dir).",
+            param=f"{where}.file_id",
+            code="unsupported_content_part",
+        )
+    field = "image" if kind == "image" else "image_url"
+    value = part.get(field)
+    if is_image_type(kind) or _url_of(value) is not None:
+        if isinstance(value, dict):
+            checked = await media.image(value.get("url"), f"{where}.{field}.url", budget)
+            part[field] = {**value, "url": checked}
+        else:
+            part[field] = await media.image(value, f"{where}.{field}", budget)
+    for field in _INLINE_ONLY:
+        if field not in part and kind != field:
+            continue
+        url = _url_of(part.get(field))
+        if kind != field and url is None:
+            continue  # a field of that name holding no URL (a JSON Schema's property, say)
+        if url is None or url[:5].lower() != "data:":
+            raise _bad(
+                f"{where} carries {field!r} with a URL the engine would fetch; this gateway "
+                "lets the engine fetch nothing: send images as image parts, other media as "
+                "data: URIs.",
+                param=f"{where}.{field}",
+                code="unsupported_content_part",
+            )
+
+
+async def check_forwarded_media(body: dict[str, Any], settings: Settings) -> None:
+    """The chat route's image policy and budgets for any other JSON body the gateway forwards
+    (embeddings, pooling, scores, rerank, tokenize, Responses ...): ``check_body_media``."""
+    await check_body_media(
+        body,
+        media_policy_of(settings),
+        ImageBudget(settings.max_body_bytes),
+        settings.max_images_per_request,
+    )

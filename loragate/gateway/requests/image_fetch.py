@@ -1,7 +1,7 @@
 """Fetching an image URL for a request, without letting the URL reach what it must not.
 
-The host is resolved once, the way the operating system resolves it for any client (see
-``image_addresses``), every answer is checked, and the connection goes to the checked
+The host is resolved once, the way the operating system resolves it for any client, every
+answer is checked (``loragate.http.addresses``), and the connection goes to the checked
 address, with the name kept for the ``Host`` header, TLS SNI and certificate checks. An
 answer that changes between the check and the fetch (DNS rebinding) therefore changes
 nothing. Redirects are followed by hand, each hop checked the same way, and reading stops as
@@ -13,22 +13,30 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
+import socket
 import ssl
+from collections.abc import Awaitable, Callable, Sequence
 
 import httpx
 
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.requests.image_addresses import (
-    Resolver,
-    is_forbidden_address,
-    is_local_name,
-    literal_address,
-    system_resolver,
-)
 from loragate.gateway.requests.image_limits import ImageBudget, image_error, image_too_large
+from loragate.gateway.requests.media_pools import in_pool
+from loragate.http.addresses import is_forbidden_address, is_local_name, literal_address
 
 FETCH_TIMEOUT = 30.0  # seconds for one image URL, redirects included, from DNS to last byte
 MAX_REDIRECTS = 3
+
+# host, port -> the addresses a connection to the host would use (strings, as getaddrinfo gives)
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """The addresses the OS resolver gives for ``host`` (getaddrinfo, in the DNS pool)."""
+    infos = await in_pool(
+        "dns", functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    )
+    return [str(info[4][0]) for info in infos]
 
 
 class ImageFetcher:

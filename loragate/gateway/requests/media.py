@@ -3,7 +3,7 @@
 Every image reaches the engine as a data URI, checked here first (format, size, pixel count);
 the engine never fetches a URL from a request (it is started with an allowed-media domain that
 cannot exist, see ``ENGINE_MEDIA_ARGS``). Local files are read by ``media_files``, URLs
-fetched by ``image_fetch`` (private addresses refused, see ``image_addresses``). Decoding runs
+fetched by ``image_fetch`` (private addresses refused, see ``loragate.http.addresses``). Decoding runs
 in a small thread pool of its own (``media_pools``), never on the event loop.
 """
 
@@ -19,8 +19,7 @@ from urllib.parse import unquote
 import httpx
 
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.requests.image_addresses import Resolver
-from loragate.gateway.requests.image_fetch import FETCH_TIMEOUT, ImageFetcher
+from loragate.gateway.requests.image_fetch import FETCH_TIMEOUT, ImageFetcher, Resolver
 from loragate.gateway.requests.image_limits import ImageBudget, image_error, image_too_large
 from loragate.gateway.requests.media_files import LocalImages
 from loragate.gateway.requests.media_pools import in_pool

@@ -2,7 +2,9 @@
 
 Every route in ``engine_allow_list.ENGINE_ROUTES`` gets a handler here, and nothing else reaches
 the engine: its admin routes stay unreachable. Each request gets what the chat routes get:
-the caller's key, the body limit, a request id, metrics and the access log, the W3C trace
+the caller's key, the body limit, the media policy (every image in a JSON body, wherever it
+sits, checked and sent on as a data URI: ``content_parts.check_forwarded_media``), a request
+id, metrics and the access log, the W3C trace
 headers, and the model renamed (public name in, engine id out; back again in the answer and
 in every streamed event, which ``proxy`` does). A route the engine does not serve for its
 model (vLLM answers a bare ``{"detail": "Not Found"}``) becomes an OpenAI-shaped error that
@@ -29,6 +31,7 @@ from loragate.gateway.backends.base import EngineCall
 from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.metrics import current_observation
 from loragate.gateway.requests.body import check_declared_length, read_json_object, too_large
+from loragate.gateway.requests.content_parts import check_forwarded_media
 from loragate.gateway.requests.responses import check_responses_request
 from loragate.gateway.routes.engine_allow_list import ENGINE_ROUTES, EngineRoute
 from loragate.gateway.routes.inference import admit, target_model
@@ -67,6 +70,8 @@ async def _json_route(gateway: Gateway, route: EngineRoute, request: Request) ->
     payload = await read_json_object(request, gateway.settings.max_body_bytes)
     if route.path == "/v1/responses":
         await check_responses_request(payload, gateway.settings)
+    else:  # messages, documents, queries: the engine would fetch their media URLs itself
+        await check_forwarded_media(payload, gateway.settings)
     model = target_model(gateway, payload)
     stream = route.streams and payload.get("stream") is True
     _observe(model, stream)
