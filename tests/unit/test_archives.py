@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import struct
 import tarfile
 import time
@@ -134,3 +135,41 @@ def test_a_zip64_end_record_is_read_for_the_entry_count(tmp_path: Path) -> None:
     assert archives._zip_directory_size(archive) == (entries, directory)
     with pytest.raises(UnsafeArchiveError, match="3000000 members"):
         extract_archive(archive, tmp_path / "dest")
+
+
+@pytest.mark.parametrize(
+    ("names", "reason"),
+    [
+        (["a", "a/b"], "'a/b' is inside 'a', which the archive also holds as a file"),
+        (["a/b", "a"], "'a' is also in the archive as a directory"),
+        (["a/", "a"], "'a' is also in the archive as a directory"),
+    ],
+    ids=["file-then-inside-it", "inside-then-file", "directory-then-file"],
+)
+def test_a_name_used_as_file_and_directory_is_refused_and_nothing_unpacked(
+    tmp_path: Path, names: list[str], reason: str
+) -> None:
+    # Before: FileExistsError / IsADirectoryError / NotADirectoryError out of the file system.
+    archive = tmp_path / "clash.tar"
+    with tarfile.open(archive, "w") as tar:
+        for name in names:
+            info = tarfile.TarInfo(name.rstrip("/"))
+            if name.endswith("/"):
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = 4
+                tar.addfile(info, io.BytesIO(b"data"))
+    with pytest.raises(UnsafeArchiveError, match=reason):
+        extract_archive(archive, tmp_path / "dest")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clash.tar"]
+
+
+def test_a_file_given_twice_still_unpacks_the_later_copy(tmp_path: Path) -> None:
+    archive = tmp_path / "twice.tar"
+    with tarfile.open(archive, "w") as tar:
+        for data in (b"old", b"new!"):
+            info = tarfile.TarInfo("a")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert (extract_archive(archive, tmp_path / "dest") / "a").read_bytes() == b"new!"

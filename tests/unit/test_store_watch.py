@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,56 @@ async def test_a_version_with_garbled_metadata_is_stored_again_from_its_source(
     assert manager.puts == ["pong"]
     assert manager.store.get(manager.manifest.entries["pong"].active) is not None
     assert await watch.check() == {}
+
+
+# ----- with the real manager and pipeline: a repair restores the same version or nothing ----
+
+
+async def _served_from_a_directory(tmp_path: Path) -> tuple[Any, Path, Path]:
+    """A real manager serving ``fox`` from a source directory; (manager, source, weights)."""
+    from loragate.adapters.pipeline import AdapterPipeline
+    from tests.unit.test_provenance import TINY_LLAMA, make_manager, tiny_adapter
+
+    store = AdapterStore(tmp_path / "store")
+    manager = make_manager(
+        tmp_path, store, AdapterPipeline(store, tmp_path / "base", TINY_LLAMA, 16)
+    )
+    source = tiny_adapter(tmp_path / "fox-source", rank=4)
+    await manager.put("fox", str(source))
+    stored = store.get(manager.manifest.entries["fox"].active)
+    assert stored is not None
+    return manager, source, stored.path / "adapter_model.safetensors"
+
+
+async def test_a_damaged_version_whose_source_changed_is_not_swapped(tmp_path: Path) -> None:
+    from tests.unit.test_provenance import tiny_adapter
+
+    manager, source, weights = await _served_from_a_directory(tmp_path)
+    served = manager.manifest.entries["fox"].active
+    shutil.rmtree(source)
+    tiny_adapter(source, rank=8)  # the source now holds other weights
+    tamper(weights)
+
+    damaged = await StoreWatch(manager, interval=1).check()
+    assert list(damaged) == ["fox"] and "sha256" in damaged["fox"]
+    assert manager.manifest.entries["fox"].active == served  # not the source's new weights
+    assert manager.routes.get("fox") == f"fox@{served[:12]}"
+    described = manager.describe("fox")
+    assert described["state"] == "failed" and described["version"] == served
+    assert "the source no longer holds this version" in described["error"]
+    assert "PUT a good copy or roll back" in described["error"]
+    await manager.aclose()
+
+
+async def test_a_damaged_version_whose_source_is_unchanged_is_repaired(tmp_path: Path) -> None:
+    manager, _source, weights = await _served_from_a_directory(tmp_path)
+    served = manager.manifest.entries["fox"].active
+    good = weights.read_bytes()
+    tamper(weights)
+
+    damaged = await StoreWatch(manager, interval=1).check()
+    assert list(damaged) == ["fox"]
+    assert weights.read_bytes() == good and manager.counters["store_repairs"] == 1
+    assert manager.manifest.entries["fox"].active == served
+    assert manager.describe("fox")["state"] == "ready" and manager.failures == {}
+    await manager.aclose()

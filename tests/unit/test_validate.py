@@ -108,6 +108,35 @@ def test_config_without_lora_alpha_is_refused(tmp_path: Path) -> None:
     assert "no lora_alpha" in _rejected(adapter)
 
 
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), float("-inf"), 0, -16])
+def test_a_non_finite_or_non_positive_lora_alpha_is_refused(tmp_path: Path, alpha: float) -> None:
+    # adapter_config.json as json.dumps writes it: NaN and Infinity, which json.loads reads back.
+    message = _rejected(_adapter(tmp_path, alpha=alpha))
+    assert f"lora_alpha must be a finite number above 0, got {alpha!r}" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("rank_pattern", float("inf"), "rank_pattern['q_proj'] must be a positive whole number"),
+        ("rank_pattern", float("nan"), "rank_pattern['q_proj'] must be a positive whole number"),
+        ("rank_pattern", 0, "rank_pattern['q_proj'] must be a positive whole number"),
+        ("rank_pattern", 2.5, "rank_pattern['q_proj'] must be a positive whole number"),
+        ("alpha_pattern", float("nan"), "alpha_pattern['q_proj'] must be a finite number above 0"),
+        ("alpha_pattern", "16", "alpha_pattern['q_proj'] must be a finite number above 0"),
+    ],
+)
+def test_a_bad_number_in_a_rank_or_alpha_pattern_is_refused_naming_it(
+    tmp_path: Path, field: str, value: Any, reason: str
+) -> None:
+    assert reason in _rejected(_adapter(tmp_path, **{field: {"q_proj": value}}))
+
+
+def test_whole_number_patterns_pass(tmp_path: Path) -> None:
+    adapter = _adapter(tmp_path, rank_pattern={"q_proj": 8.0}, alpha_pattern={"q_proj": 4})
+    assert validate_adapter(adapter, LLAMA, 16).rank == 8
+
+
 def test_bin_only_adapter_is_refused_with_convert_hint(tmp_path: Path) -> None:
     adapter = _adapter(tmp_path)
     shutil.move(adapter / "adapter_model.safetensors", adapter / "adapter_model.bin")
