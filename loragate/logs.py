@@ -1,25 +1,110 @@
-"""Logging set-up: readable lines by default, JSON lines with ``--log-json``."""
+"""Logging set-up: readable lines by default, JSON lines with ``--log-json``; and what may be
+written in a log line at all.
+
+Log lines quote what clients send (paths, model names, request ids) and what the engine
+prints. A client string holding a line feed would start a line of its own in the log, the
+``/admin/logs`` tail and the status page (a forged entry), and an ANSI escape would recolour
+or rewrite the terminal of whoever reads it; so every line written goes through ``loggable``:
+control characters become visible escapes (``printable``) and the secrets given on the
+command line (``hide_secrets``) become ``***``.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
+from collections.abc import Iterable
+from typing import Any
+
+FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+HIDDEN = "***"
+# C0 (CR, LF, tab, ESC...), DEL and C1; and the two Unicode line breaks ``str.splitlines``
+# also splits on (the log tail does).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# Shorter values are not hidden: replacing every "1" in a log would hide more than the secret.
+_MIN_SECRET_LENGTH = 4
+_secrets: set[str] = set()
 
 
-class JsonFormatter(logging.Formatter):
+def _escape(match: re.Match[str]) -> str:
+    char = match.group(0)
+    named = _NAMED_ESCAPES.get(char)
+    if named is not None:
+        return named
+    code = ord(char)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters written as escapes (``\\n``, ``\\x1b``): one line,
+    and no terminal escapes. A backslash is left alone, so escaping twice changes nothing."""
+    return _CONTROL.sub(_escape, text)
+
+
+def hide_secrets(values: Iterable[str]) -> None:
+    """From now on, ``without_secrets`` (and so every log line) shows these values as ``***``."""
+    _secrets.update(value for value in values if len(value) >= _MIN_SECRET_LENGTH)
+
+
+def without_secrets(text: str) -> str:
+    for secret in sorted(_secrets, key=len, reverse=True):  # a secret inside another: the longer
+        if secret in text:
+            text = text.replace(secret, HIDDEN)
+    return text
+
+
+def without_secrets_in(value: Any) -> Any:
+    """A JSON-like value (an answer's body) with ``without_secrets`` applied to its strings."""
+    if not _secrets:
+        return value
+    if isinstance(value, str):
+        return without_secrets(value)
+    if isinstance(value, dict):
+        return {key: without_secrets_in(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_secrets_in(item) for item in value]
+    return value
+
+
+def loggable(text: str) -> str:
+    """``text`` as a log line, the ``/admin/logs`` tail or the status page may show it."""
+    return printable(without_secrets(text))
+
+
+class SafeFormatter(logging.Formatter):
+    """A formatter whose message is ``loggable``; a traceback keeps its lines, each escaped."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = loggable(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei: logging._SysExcInfoType) -> str:
+        return _each_line_loggable(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _each_line_loggable(super().formatStack(stack_info))
+
+
+def _each_line_loggable(text: str) -> str:
+    return "\n".join(loggable(line) for line in text.split("\n"))
+
+
+class JsonFormatter(SafeFormatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": loggable(record.getMessage()),
         }
         for key in ("request_id", "model", "status", "duration_ms"):
             value = getattr(record, key, None)
             if value is not None:
-                entry[key] = value
+                entry[key] = loggable(value) if isinstance(value, str) else value
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
@@ -27,10 +112,7 @@ class JsonFormatter(logging.Formatter):
 
 def configure_logging(level: str = "info", as_json: bool = False) -> None:
     handler = logging.StreamHandler()
-    if as_json:
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if as_json else SafeFormatter(FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

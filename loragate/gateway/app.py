@@ -6,7 +6,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
@@ -17,10 +16,10 @@ from loragate.gateway.auth import KeyConfigError, check_key_settings
 from loragate.gateway.backends.base import GatewayBackend
 from loragate.gateway.backends.custom import InferenceBackend
 from loragate.gateway.backends.custom_adapter import as_gateway_backend
-from loragate.gateway.cross_site import is_loopback
+from loragate.gateway.cross_site import is_admin_path, is_loopback
 from loragate.gateway.errors import OpenAIError, install_error_handlers
 from loragate.gateway.log_tail import recent_gateway_log
-from loragate.gateway.metrics import RequestObserver
+from loragate.gateway.metrics import RequestObserver, route_path
 from loragate.gateway.openapi_schemas import install_openapi
 from loragate.gateway.routes import admin, health, inference, metrics, passthrough, status, ui
 from loragate.gateway.runtime import Gateway
@@ -117,6 +116,18 @@ class AdminKeyRequired(KeyConfigError):
     pass
 
 
+class CORSBesideAdmin(CORSMiddleware):
+    """CORS for every route but the admin routes (``cross_site.is_admin_path``): their
+    preflights and answers pass by untouched, so no page at a ``--cors-origin`` (nor at
+    any origin, with ``*``) is told it may call them or read their answers."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and is_admin_path(route_path(scope)):
+            await self.app(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     settings: Settings, backend: GatewayBackend | InferenceBackend | None = None
 ) -> FastAPI:
@@ -152,10 +163,16 @@ def create_app(
         finally:
             await lifecycle.stop()
 
-    docs: dict[str, Any] = (
-        {} if settings.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    # FastAPI's /docs and /redoc load their viewers from a CDN: a plain page instead
+    # (``openapi_schemas.DOCS_PAGE``).
+    app = GatewayApp(
+        title="loragate",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if settings.docs else None,
     )
-    app = GatewayApp(title="loragate", version="0.1.0", lifespan=lifespan, **docs)
     app.state.gateway = gateway
     app.lifecycle = lifecycle
     install_error_handlers(app)
@@ -169,11 +186,11 @@ def create_app(
     app.include_router(status.router)
     app.include_router(ui.router)
     recent_gateway_log()  # from now on, so the page's log tail starts with the boot
-    install_openapi(app)
+    install_openapi(app, docs_page=settings.docs)
     app.add_middleware(SecurityHeaders)
     if settings.cors_origins:
         app.add_middleware(
-            CORSMiddleware,
+            CORSBesideAdmin,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "PUT", "DELETE", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "X-Request-ID"],

@@ -111,8 +111,16 @@ def check_key_settings(settings: Settings) -> list[str]:
 
     Refused: an ``--api-key-file`` that cannot be read or holds no key (that would leave the
     API open while its owner believes it closed), empty keys (a bare ``Bearer`` would match),
-    and an admin key that is also an inference key (every client would be an admin).
+    and an admin key that is also an inference key (every client would be an admin); and
+    ``--open-admin`` beside ``--cors-origin '*'``, which asks for admin routes without a key
+    and for every web page to call the gateway at once.
     """
+    if settings.open_admin and "*" in (origin.strip() for origin in settings.cors_origins):
+        raise KeyConfigError(
+            "--open-admin and --cors-origin '*' together would let any web page try the admin "
+            "routes without a key: list the origins that may call the gateway, or drop "
+            "--open-admin (the gateway CLI reads the per-start admin token)"
+        )
     try:
         keys = settings.inference_keys()
     except OSError as exc:

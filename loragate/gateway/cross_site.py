@@ -7,8 +7,11 @@ After a DNS rebinding, the page's own host name resolves to the gateway's addres
 requests are even same-origin; they still name the attacker's host in ``Host``.
 
 So a request that carries an ``Origin`` (browsers send one on every cross-origin request and
-on every POST) must come from a listed CORS origin or from the gateway's own pages (``/docs``),
-and admin requests must be addressed to one of the gateway's host names. So must inference
+on every POST) must come from a listed CORS origin or from the gateway's own pages (``/ui``),
+and admin requests must be addressed to one of the gateway's host names. CORS never applies
+to the admin routes (``is_admin_path``): there only the gateway's own pages may send an
+``Origin``, whatever ``--cors-origin`` lists (``*`` included), and no answer carries CORS
+headers, so no other page may add an adapter, restart the engine or read the logs. So must inference
 and model-list requests to a gateway without inference keys: after a rebinding they are
 same-origin, and the page could read the model list and use the model. An address written
 as digits (``192.168.1.5:8000``) is always fine there: a rebinding needs a name. JSON bodies must be
@@ -25,6 +28,13 @@ from loragate.gateway.errors import OpenAIError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::"})
+# vLLM's adapter routes, which the gateway answers as admin routes (``routes/admin``).
+_ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
+
+def is_admin_path(path: str) -> bool:
+    """Whether ``path`` (inside the app) is an admin route's: CORS never applies to those."""
+    return path == "/admin" or path.startswith("/admin/") or path in _ADMIN_PATHS
 
 
 def is_loopback(host: str) -> bool:
@@ -74,13 +84,26 @@ class CrossSitePolicy:
             return True
         return any(name.endswith(suffix) for suffix in self.host_suffixes)
 
-    def check_origin(self, headers: Mapping[str, str]) -> None:
-        """403 for a request sent by a web page at a foreign origin; nothing without ``Origin``."""
+    def check_origin(self, headers: Mapping[str, str], *, cors: bool = True) -> None:
+        """403 for a request sent by a web page at a foreign origin; nothing without ``Origin``.
+
+        Without ``cors`` (the admin routes), only the gateway's own pages may send one.
+        """
         origin = headers.get("origin")
-        if origin is None or self.any_origin or origin.lower().rstrip("/") in self.origins:
+        if origin is None:
+            return
+        if cors and (self.any_origin or origin.lower().rstrip("/") in self.origins):
             return
         if self._is_own_origin(origin, headers.get("host")):
             return
+        if not cors:
+            raise OpenAIError(
+                403,
+                "Admin requests from web pages are refused unless the page is this gateway's "
+                "own (--cors-origin does not apply to admin routes); use the gateway CLI, or "
+                "send no Origin header.",
+                code="origin_not_allowed",
+            )
         raise OpenAIError(
             403,
             "Requests from web pages are refused unless the page's origin is allowed: "
@@ -121,7 +144,7 @@ class CrossSitePolicy:
         )
 
     def _is_own_origin(self, origin: str, host: str | None) -> bool:
-        """Whether a page of this gateway sent the request (``/docs``), by a name it owns.
+        """Whether a page of this gateway sent the request (``/ui``), by a name it owns.
 
         The scheme is not compared: a proxy in front may end TLS. The name must be allowed,
         or a rebound page (``Origin`` and ``Host`` both the attacker's name) would pass.

@@ -4,7 +4,8 @@ The gateway logs to stderr, where a service manager collects it; a status page c
 that back. So the root logger also feeds a small ring of recent lines (``RecentLogLines``),
 which ``gateway_lines`` follows. The engine writes to a file under the cache dir, which
 ``engine_lines`` follows by polling (it is appended to, and rotated past a size: a file
-shorter than the position read so far starts over from its beginning).
+shorter than the position read so far starts over from its beginning). Both are served
+``loggable`` (``loragate.logs``): the engine's lines quote prompts and its command line.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
+from loragate.logs import FORMAT, SafeFormatter, loggable
+
 KEEP_LINES = 2000
 POLL_SECONDS = 0.3
-_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
 
 class RecentLogLines(logging.Handler):
@@ -27,7 +29,7 @@ class RecentLogLines(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__()
-        self.setFormatter(logging.Formatter(_FORMAT))
+        self.setFormatter(SafeFormatter(FORMAT))
         self._lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=KEEP_LINES)
         self._next = 0
 
@@ -87,7 +89,7 @@ async def engine_lines(path: Path, count: int, follow: bool) -> AsyncGenerator[s
     # The tail, and the size it ends at, read together: lines written meanwhile come next.
     position, tail = await asyncio.to_thread(_tail, path, count)
     for line in tail:
-        yield line
+        yield loggable(line)
     if not follow:
         return
     partial = b""
@@ -102,13 +104,17 @@ async def engine_lines(path: Path, count: int, follow: bool) -> AsyncGenerator[s
         position += len(data)
         *complete, partial = (partial + data).split(b"\n")
         for raw in complete:
-            yield raw.decode("utf-8", errors="replace").rstrip("\r")
+            yield loggable(raw.decode("utf-8", errors="replace").rstrip("\r"))
 
 
 def _tail(path: Path, count: int, max_bytes: int = 64 * 1024) -> tuple[int, list[str]]:
     size = _size(path)
     data = _read(path, max(0, size - max_bytes), min(size, max_bytes))
-    lines = data.decode("utf-8", errors="replace").splitlines()
+    # Lines end at "\n" only, as when following (``splitlines`` would also cut at the form
+    # feeds and Unicode line separators a prompt quoted in the engine's log may hold).
+    lines = [line.rstrip("\r") for line in data.decode("utf-8", errors="replace").split("\n")]
+    if lines and not lines[-1]:
+        lines.pop()
     if size > max_bytes:
         lines = lines[1:]  # begins mid-line
     return size, lines[-count:] if count > 0 else []

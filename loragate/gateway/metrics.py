@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loragate.gateway.routes.engine_allow_list import engine_route
 from loragate.gateway.traffic import RecentTraffic
+from loragate.logs import loggable
 
 if TYPE_CHECKING:
     pass
@@ -232,20 +233,26 @@ def settle(
 
 
 def log_access(scope: Scope, observation: RequestObservation, ended: float) -> None:
+    """One line per request. The path, model and ids are the client's: escaped here
+    (``loggable``), so the line stays one line whatever formatter an embedding app uses."""
     duration_ms = round((ended - observation.started) * 1000, 2)
+    model, request_id, trace_id = (
+        None if value is None else loggable(value)
+        for value in (observation.model, observation.request_id, observation.trace_id)
+    )
     access_log.info(
         "%s %s %s model=%s request_id=%s trace_id=%s %.2f ms",
-        scope["method"],
-        scope["path"],
+        loggable(scope["method"]),
+        loggable(scope["path"]),
         observation.status,
-        observation.model,
-        observation.request_id,
-        observation.trace_id or "-",
+        model,
+        request_id,
+        trace_id or "-",
         duration_ms,
         extra={
-            "request_id": observation.request_id,
-            "trace_id": observation.trace_id,
-            "model": observation.model,
+            "request_id": request_id,
+            "trace_id": trace_id,
+            "model": model,
             "status": observation.status,
             "duration_ms": duration_ms,
         },

@@ -4,6 +4,11 @@ The inference routes are plain Starlette routes (no pydantic parsing on the hot 
 FastAPI cannot describe them; ``install_openapi`` adds them, with request-body schemas that
 say what the gateway accepts (the same ranges ``parameters`` checks), plus the OpenAI error
 shape and the two bearer keys. Clients, /docs and the fuzz tests read the result.
+
+``/docs`` is a plain page that links the description (``DOCS_PAGE``): no script at all. An
+interactive viewer (Swagger UI, Redoc) would load JavaScript from a CDN into the gateway's own
+origin, which the cross-site checks trust (``cross_site``): whoever served that script could
+drive the admin routes from the page. Load ``/openapi.json`` into a viewer of your own.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from starlette.requests import Request
+from starlette.responses import HTMLResponse
 
 from loragate.gateway.requests.chat import ROLES
 from loragate.gateway.requests.parameters import MAX_LOGPROBS, MAX_N
@@ -272,8 +279,29 @@ def _inference_operation(summary: str, request: str, operation_id: str) -> dict[
     }
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Make ``app.openapi()`` describe the raw-body inference routes too."""
+DOCS_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>loragate API</title></head>
+<body>
+<h1>loragate API</h1>
+<p>This gateway's OpenAPI description is <a href="openapi.json">openapi.json</a>. Open it in an
+OpenAPI viewer or client generator of your own (Swagger UI, Redoc, Postman...).</p>
+<p>The gateway serves no interactive viewer: its script would run in the gateway's own origin,
+which the admin routes trust. The status page is <a href="ui">/ui</a>.</p>
+</body></html>
+"""
+# The page loads nothing, runs nothing and may be framed by nobody.
+DOCS_PAGE_POLICY = "default-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+
+
+async def _docs_page(request: Request) -> HTMLResponse:
+    return HTMLResponse(DOCS_PAGE, headers={"Content-Security-Policy": DOCS_PAGE_POLICY})
+
+
+def install_openapi(app: FastAPI, *, docs_page: bool = True) -> None:
+    """Make ``app.openapi()`` describe the raw-body inference routes too; with ``docs_page``,
+    serve ``DOCS_PAGE`` at ``/docs``."""
+    if docs_page:
+        app.add_route("/docs", _docs_page, include_in_schema=False)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

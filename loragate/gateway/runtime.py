@@ -16,7 +16,9 @@ from loragate.gateway.requests.parameters import Route, check_parameters
 from loragate.settings import Settings
 
 # Headers a reverse proxy adds: their presence means the client is not the peer we see.
-_FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
+_FORWARDING_HEADERS = (
+    "forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip", "via"
+)  # fmt: skip
 
 
 class Gateway:
@@ -42,7 +44,7 @@ class Gateway:
     def admit_admin(self, request: HasHeaders, client_host: str | None) -> None:
         """Where an admin request comes from, then its key: a web page gets no further than
         the cross-site checks (``cross_site``)."""
-        self.cross_site.check_origin(request.headers)
+        self.cross_site.check_origin(request.headers, cors=False)
         self.cross_site.check_host(request.headers)
         self.check_admin_key(request, client_host)
 

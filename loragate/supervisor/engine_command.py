@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loragate.engine_flags import PARALLEL_OPTIONS, engine_arg_value
+from loragate.logs import HIDDEN
 
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
 # The gateway's own settings and credentials are none of the engine's business (its admin key
@@ -102,12 +103,44 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
     return env
 
 
+# A flag whose name has one of these as a word (``--hf-token``, ``--api-key``,
+# ``--db-password``) takes a secret; ``--tokenizer`` or ``--max-num-batched-tokens`` do not.
+_SECRET_WORDS = ("token", "key", "secret", "password", "passwd", "credential", "credentials")
+
+
+def is_secret_flag(flag: str) -> bool:
+    if not flag.startswith("--"):
+        return False
+    words = flag[2:].lower().replace("_", "-").split("-")
+    return any(word.endswith(_SECRET_WORDS) for word in words if word)
+
+
+def secret_values(argv: list[str]) -> list[str]:
+    """The values of the secret flags in ``argv`` (``--flag VALUE`` and ``--flag=VALUE``)."""
+    values = []
+    for index, arg in enumerate(argv):
+        flag, equals, value = arg.partition("=")
+        if not is_secret_flag(flag):
+            continue
+        if equals:
+            values.append(value)
+        elif index + 1 < len(argv) and not argv[index + 1].startswith("--"):
+            values.append(argv[index + 1])
+    return [value for value in values if value]
+
+
 def redacted(argv: list[str]) -> list[str]:
-    """The argv with the per-boot key hidden, for logs and status pages."""
+    """The argv with every secret flag's value as ``***`` (the per-boot key, ``--hf-token``
+    given after ``--``...), for logs and status pages."""
     out = list(argv)
-    for index, arg in enumerate(out[:-1]):
-        if arg == "--api-key":
-            out[index + 1] = "***"
+    for index, arg in enumerate(argv):
+        flag, equals, _ = arg.partition("=")
+        if not is_secret_flag(flag):
+            continue
+        if equals:
+            out[index] = f"{flag}={HIDDEN}"
+        elif index + 1 < len(argv) and not argv[index + 1].startswith("--"):
+            out[index + 1] = HIDDEN
     return out
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import psutil
 
-from loragate.supervisor.engine_command import redacted
+from loragate.logs import hide_secrets
+from loragate.supervisor.engine_command import redacted, secret_values
 from loragate.supervisor.engine_exit import ExitInfo, exit_future
 from loragate.supervisor.engine_log import open_engine_log
 from loragate.supervisor.pidfile import EnginePidFile
@@ -113,6 +114,9 @@ class EngineProcess:
         launcher = [sys.executable, "-m", "loragate.supervisor.launcher", "--grace", f"{grace:g}"]
         launcher += ["--", *argv]
         log_handle = open_engine_log(self._log_path)
+        # The engine may print its arguments (vLLM does, and argparse quotes a bad one): its
+        # secrets are hidden in every log line and tail shown from now on (``loragate.logs``).
+        hide_secrets(secret_values(argv))
         log.info("spawning engine: %s", " ".join(redacted(argv)))
         try:
             self._proc = subprocess.Popen(

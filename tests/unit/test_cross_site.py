@@ -25,7 +25,8 @@ from typer.testing import CliRunner
 
 from loragate.cli import app as cli_app
 from loragate.gateway.app import create_app
-from tests.backend_double import ManagedBackendDouble, serving, settings_for
+from loragate.gateway.auth import KeyConfigError
+from tests.backend_double import ManagedBackendDouble, free_port, serving, settings_for
 
 EVIL = "http://evil.example"
 LOOPBACK = "http://127.0.0.1:8000"
@@ -393,10 +394,73 @@ async def test_open_admin_answers_only_clients_on_this_machine(
             assert_error(refused, 403, "invalid_admin_key")
         # A reverse proxy on this machine connects from loopback on a remote client's behalf.
         async with client_for(app) as proxied:
-            for header in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
+            proxy_headers = ("X-Forwarded-For", "Forwarded", "X-Real-IP", "X-Forwarded-Host")
+            for header in (*proxy_headers, "X-Forwarded-Proto", "Via"):
                 refused = await proxied.post("/admin/engine/restart", headers={header: "x"})
                 assert_error(refused, 403, "invalid_admin_key")
     assert backend.supervisor.restart_requests == 0
+
+
+# ----- CORS stops at the admin routes ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cors_origin", ["*", "https://app.example"])
+async def test_no_cors_origin_opens_the_admin_routes(
+    tmp_path: Path, backend: ManagedBackendDouble, cors_origin: str
+) -> None:
+    app = keyless_app(tmp_path, backend, cors_origins=[cors_origin])
+    page = {"Origin": "https://app.example"}
+    async with app.router.lifespan_context(app), client_for(app) as client:
+        preflight = await client.options(
+            "/admin/adapters/evil",
+            headers={**page, "Access-Control-Request-Method": "PUT",
+                     "Access-Control-Request-Headers": "authorization,content-type"},
+        )  # fmt: skip
+        assert not [name for name in preflight.headers if name.startswith("access-control-")]
+        # Even with the admin key in hand, a page's admin call is refused, and readable by none.
+        for method, path, body in [
+            ("PUT", "/admin/adapters/evil", {"source": "https://evil.example/a.tar.gz"}),
+            ("POST", "/v1/load_lora_adapter", LOAD),
+            ("POST", "/admin/engine/restart", None),
+            ("GET", "/admin/logs", None),
+        ]:
+            response = await client.request(
+                method, path, json=body, headers={**page, **admin_token(tmp_path)}
+            )
+            assert_error(response, 403, "origin_not_allowed")
+            assert "access-control-allow-origin" not in response.headers
+        # The inference routes still answer that origin, with CORS headers.
+        chat = await client.post("/v1/chat/completions", json=CHAT, headers=page)
+        assert chat.status_code == 200
+        assert chat.headers["access-control-allow-origin"] in ("*", "https://app.example")
+    assert not backend.adapters.changes and backend.supervisor.restart_requests == 0
+
+
+async def test_open_admin_refuses_a_listed_cors_origins_pages(
+    tmp_path: Path, backend: ManagedBackendDouble
+) -> None:
+    # A page at a --cors-origin, in a browser on this machine, is a loopback client.
+    app = keyless_app(tmp_path, backend, open_admin=True, cors_origins=["https://app.example"])
+    async with app.router.lifespan_context(app), client_for(app) as client:
+        refused = await client.post(
+            "/admin/engine/restart", headers={"Origin": "https://app.example"}
+        )
+        assert_error(refused, 403, "origin_not_allowed")
+        assert (await client.get("/admin/adapters")).status_code == 200  # the CLI, no Origin
+    assert backend.supervisor.restart_requests == 0
+
+
+def test_open_admin_beside_any_cors_origin_is_refused_at_start(tmp_path: Path) -> None:
+    with pytest.raises(KeyConfigError, match="--open-admin and --cors-origin"):
+        keyless_app(tmp_path, ManagedBackendDouble(), open_admin=True, cors_origins=["*"])
+    result = CliRunner().invoke(
+        cli_app,
+        ["serve", "--upstream-url", "http://127.0.0.1:9/v1", "--port", str(free_port()),
+         "--cache-dir", str(tmp_path), "--open-admin", "--cors-origin", "*"],
+    )  # fmt: skip
+    assert result.exit_code == 2
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("error: --open-admin and --cors-origin '*'"), result.output
 
 
 # ----- DNS rebinding on a gateway without inference keys ---------------------------------------

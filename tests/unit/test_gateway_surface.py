@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html.parser
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -93,11 +94,45 @@ async def test_every_answer_carries_the_security_headers(
 
 
 async def test_docs_can_be_turned_off(tmp_path: Path, default: httpx.AsyncClient) -> None:
-    for path in ("/docs", "/redoc", "/openapi.json"):
+    for path in ("/docs", "/openapi.json"):
         assert (await default.get(path)).status_code == 200, path
+    assert (await default.get("/redoc")).status_code == 404  # a CDN viewer: not served
     async with await client_for(tmp_path, docs=False) as client:
         for path in ("/docs", "/redoc", "/openapi.json"):
             assert (await client.get(path)).status_code == 404, path
+
+
+class _PageParts(html.parser.HTMLParser):
+    """The scripts, stylesheets and frames a page would load, and its links."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loads: list[tuple[str, dict[str, str | None]]] = []
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = dict(attrs)
+        if tag in ("script", "iframe", "object", "embed", "img") or (
+            tag == "link" and values.get("rel") != "help"
+        ):
+            self.loads.append((tag, values))
+        if tag == "a" and values.get("href"):
+            self.links.append(str(values["href"]))
+
+
+async def test_docs_runs_no_script_in_the_gateways_origin(default: httpx.AsyncClient) -> None:
+    # The gateway trusts pages of its own origin (cross_site): a CDN script there could drive
+    # the admin routes. /docs is a plain page that links the description.
+    page = await default.get("/docs")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    parts = _PageParts()
+    parts.feed(page.text)
+    assert parts.loads == []
+    assert "openapi.json" in parts.links
+    assert all("://" not in link for link in parts.links)  # nothing off the gateway
+    assert page.headers["content-security-policy"].startswith("default-src 'none'")
+    assert (await default.get("/openapi.json")).json()["paths"]["/v1/chat/completions"]
 
 
 async def test_openapi_describes_the_raw_body_inference_routes(default: httpx.AsyncClient) -> None:

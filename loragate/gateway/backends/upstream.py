@@ -6,6 +6,7 @@ llama.cpp's server, ...). Nothing is started: the models are whatever the upstre
 ``/v1/models`` lists, watched in the background, and ``/health`` follows the upstream's
 ``/health`` (or, where it has none, whether ``/v1/models`` answers). ``--model-name`` gives
 the upstream's base model a public name; answers carry the name the client asked for.
+The URL is shown (``/health``, errors, logs) with its credentials and query as ``***``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 
 from starlette.responses import Response
 
+from loragate.adapters.downloads import redact, redact_urls
 from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import ProxyClient, Rename
@@ -50,6 +52,7 @@ class UpstreamBackend:
     def __init__(self, settings: Settings) -> None:
         assert settings.upstream_url is not None
         self.api_base, self.root = split_upstream_url(settings.upstream_url)
+        self.shown_base = redact(self.api_base)  # for messages: never its credentials
         self.alias = settings.model_name
         self.aliased = settings.model  # which upstream id the alias names; default: its base model
         self.refresh_interval = settings.probe_interval
@@ -59,7 +62,7 @@ class UpstreamBackend:
             else {}
         )
         self._timeout = settings.probe_timeout
-        self.proxy = ProxyClient()
+        self.proxy = ProxyClient(silence_limit=settings.upstream_timeout or None)
         self._upstream_ids: list[str] = []
         self._ready = False
         self._reason = "not asked yet"
@@ -70,7 +73,7 @@ class UpstreamBackend:
     async def start(self) -> None:
         await self.refresh()
         if not self._ready:
-            log.warning("upstream %s is not ready yet: %s", self.api_base, self._reason)
+            log.warning("upstream %s is not ready yet: %s", self.shown_base, self._reason)
         self._watch_task = asyncio.create_task(self._watch(), name="upstream-watch")
 
     async def stop(self) -> None:
@@ -92,26 +95,29 @@ class UpstreamBackend:
             models = await ask(self.api_base + "/models", headers=self._headers)
             health = await ask(self.root + "/health", headers=self._headers)
         except oneshot.PlainHTTPError as exc:
-            self._ready, self._reason = False, f"upstream {self.api_base} unreachable: {exc}"
+            self._not_ready(f"upstream {self.shown_base} unreachable: {exc}")
             return
         if models.status != 200:
-            self._ready = False
-            self._reason = (
-                f"upstream {self.api_base}/models answered {models.status}: {models.text[:200]}"
+            self._not_ready(
+                f"upstream {self.shown_base}/models answered {models.status}: {models.text[:200]}"
             )
             return
         try:
             self._upstream_ids = _model_ids(models.json())
         except ValueError as exc:
-            self._ready, self._reason = False, f"upstream {self.api_base}/models: {exc}"
+            self._not_ready(f"upstream {self.shown_base}/models: {exc}")
             return
         if health.status in (404, 405):  # no /health route: answering /v1/models is healthy
             self._ready, self._reason = bool(self._upstream_ids), "upstream lists no models"
         elif health.status == 200:
             self._ready, self._reason = True, ""
         else:
-            self._ready = False
-            self._reason = f"upstream /health answered {health.status}: {health.text[:200]}"
+            self._not_ready(f"upstream /health answered {health.status}: {health.text[:200]}")
+
+    def _not_ready(self, reason: str) -> None:
+        """Not ready, and why: shown in the public ``/health``, so with no URL's secrets (the
+        upstream's own answer, or an error about the URL, may quote them)."""
+        self._ready, self._reason = False, redact_urls(reason)
 
     # ----- names ----------------------------------------------------------------------------
 
@@ -168,7 +174,9 @@ class UpstreamBackend:
                 method=call.method,
             )
         except OpenAIError as exc:
-            exc.message = exc.message.replace("the engine", f"the upstream server {self.api_base}")
+            exc.message = redact_urls(
+                exc.message.replace("the engine", f"the upstream server {self.shown_base}")
+            )
             raise
 
 

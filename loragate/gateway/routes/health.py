@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from loragate.gateway.runtime import Gateway
+from loragate.logs import without_secrets_in
 
 router = APIRouter()
 
@@ -16,7 +17,7 @@ async def health(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     ready, body = gateway.backend.health()
     return Response(
-        orjson.dumps(body),
+        orjson.dumps(without_secrets_in(body)),  # public: an engine's error may quote its args
         status_code=200 if ready else 503,
         media_type="application/json",
         headers={} if ready else {"Retry-After": "5"},
