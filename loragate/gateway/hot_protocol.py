@@ -18,6 +18,7 @@ come from the ASGI middleware); every other route, and any ASGI server, goes thr
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -103,6 +104,7 @@ def hot_protocol(gateway: Gateway) -> type[HttpToolsProtocol]:
 class HotRouteProtocol(HttpToolsProtocol):
     gateway: Gateway
     _relaying: RelayResponse | None = None
+    _answering: asyncio.Task[Any] | None = None  # the task of the request being answered
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         scope = cycle.scope
@@ -121,6 +123,10 @@ class HotRouteProtocol(HttpToolsProtocol):
         relaying = self._relaying
         if relaying is not None:
             relaying.abort()  # the engine stops generating for a client that left
+        elif self._answering is not None:
+            # Nobody will read this answer: the task's engine connection is cut, so the
+            # engine aborts the generation, and the adapter lease ends now, not at max_tokens.
+            self._answering.cancel()
         super().connection_lost(exc)
 
     # ----- one request --------------------------------------------------------------------
@@ -134,6 +140,7 @@ class HotRouteProtocol(HttpToolsProtocol):
         observation = RequestObservation(clock())
         token = current_observation.set(observation)
         metrics.in_flight += 1
+        self._answering = answering = asyncio.current_task()
         try:
             try:
                 response = await self._respond(cycle, endpoint)
@@ -152,6 +159,9 @@ class HotRouteProtocol(HttpToolsProtocol):
                 await response(scope, cast(Any, cycle.receive), _observed_send(cycle, observation))
         except _ClientGone:
             observation.status = 499  # nginx's "client closed request"
+        except asyncio.CancelledError:
+            observation.status = 499  # cancelled by connection_lost: the client left
+            raise
         except Exception:
             log.exception("the gateway failed answering %s", route)
             observation.status = 500
@@ -161,6 +171,8 @@ class HotRouteProtocol(HttpToolsProtocol):
             else:
                 cycle.transport.close()
         finally:
+            if self._answering is answering:  # not yet the next pipelined request's
+                self._answering = None
             current_observation.reset(token)
             scope = cast(dict[str, Any], cycle.scope)
             settle(metrics, route, observation, scope, gateway.settings.access_log)

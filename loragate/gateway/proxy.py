@@ -9,6 +9,12 @@ objects, header models, anyio, httpcore's pool) - most of what the gateway added
 the engine. The upstream is one known HTTP/1.1 server, usually on loopback, so
 ``loragate.http``'s pool of asyncio connections with httptools' C parser does the same job
 for a tenth of that.
+
+Nobody's work runs on after they leave: a request whose client goes away (its task is
+cancelled, or a stream is aborted) has its engine connection cut, never pooled half-read,
+which is how vLLM learns to abort the generation, and its lease (``on_done``) ends at once.
+An engine that sends nothing for ``silence_limit`` seconds is given up on the same way, with
+a 504 for the client.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from loragate.gateway.errors import OpenAIError, error_event
 from loragate.gateway.metrics import current_observation
-from loragate.http.connection import UpstreamBroken, UpstreamConnection
+from loragate.http.connection import UpstreamBroken, UpstreamConnection, UpstreamSilent
 from loragate.http.pool import Pool, Unreachable
 from loragate.http.wire import Origin, request_bytes, target
 
@@ -75,9 +81,15 @@ class ProxyClient:
     """POSTs OpenAI requests upstream and turns the answers into ASGI responses."""
 
     def __init__(
-        self, connect_timeout: float = 10.0, idle_timeout: float = 4.0, max_idle: int = 256
+        self,
+        connect_timeout: float = 10.0,
+        idle_timeout: float = 4.0,
+        max_idle: int = 256,
+        silence_limit: float | None = None,
     ) -> None:
-        self._pool = Pool(connect_timeout, idle_timeout, max_idle)
+        """``silence_limit``: seconds the upstream may send nothing of an answer (its head, or
+        the next bytes of its body) before it is given up on; None for no limit."""
+        self._pool = Pool(connect_timeout, idle_timeout, max_idle, silence_limit)
 
     async def aclose(self) -> None:
         self._pool.close()
@@ -95,7 +107,8 @@ class ProxyClient:
         uds: str | None = None,
         method: str = "POST",
     ) -> Response:
-        """POST ``body`` to ``url``; ``on_done`` runs exactly once, when the answer is complete.
+        """POST ``body`` to ``url``; ``on_done`` runs exactly once, when the answer is complete
+        or abandoned (an error, or the caller cancelled because its client left).
 
         With ``uds``, connect to that Unix socket instead of the URL's host and port; with
         ``method``, send that instead of POST (the engine's GET routes).
@@ -103,25 +116,29 @@ class ProxyClient:
         extra = response_headers or {}
         observation = current_observation.get()
         started = time.perf_counter()
-        where = target(url, method, uds)
         try:
+            where = target(url, method, uds)
             conn = await self._pool.exchange(where, request_bytes(where, headers, body))
-        except Unreachable as exc:
-            on_done()
-            raise _unreachable(exc, extra) from exc
-        except (UpstreamBroken, OSError, TimeoutError, ValueError) as exc:
-            on_done()
-            raise OpenAIError(
-                503,
-                f"the engine did not answer ({type(exc).__name__}); retry shortly",
-                code="engine_unavailable",
-                headers={"Retry-After": "5", **extra},
-            ) from exc
+        except BaseException as exc:
+            on_done()  # no answer to wait for (the pool cut the connection if it had one)
+            if isinstance(exc, Unreachable):
+                raise _unreachable(exc, extra) from exc
+            if isinstance(exc, UpstreamSilent):
+                raise _silent(exc, extra) from exc
+            if isinstance(exc, (UpstreamBroken, OSError, TimeoutError, ValueError)):
+                raise OpenAIError(
+                    503,
+                    f"the engine did not answer ({type(exc).__name__}); retry shortly",
+                    code="engine_unavailable",
+                    headers={"Retry-After": "5", **extra},
+                ) from exc
+            raise  # cancelled: the client went away
         if not stream or conn.status != 200:
             try:
                 content = await conn.read_all()
+            except UpstreamSilent as exc:
+                raise _silent(exc, extra) from exc
             except UpstreamBroken as exc:
-                on_done()
                 raise OpenAIError(
                     503,
                     "the engine stopped while answering; retry",
@@ -129,8 +146,9 @@ class ProxyClient:
                     headers={"Retry-After": "5", **extra},
                 ) from exc
             finally:
+                # Cut unless read whole (cancelled midway: the engine stops generating).
                 self._pool.give_back(where.origin, conn)
-            on_done()
+                on_done()
             if observation is not None:
                 observation.upstream_seconds += time.perf_counter() - started
             if rename is not None:
@@ -142,6 +160,16 @@ class ProxyClient:
             self._pool, where.origin, conn, rename, on_done, started,
             {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **extra},
         )  # fmt: skip
+
+
+def _silent(cause: UpstreamSilent, extra: dict[str, str]) -> OpenAIError:
+    return OpenAIError(
+        504,
+        f"the engine sent nothing for {cause.seconds:g} s (--upstream-timeout); "
+        "the request was abandoned",
+        code="engine_timeout",
+        headers=extra,
+    )
 
 
 def _unreachable(cause: Unreachable, extra: dict[str, str]) -> UpstreamUnreachable:
@@ -229,9 +257,9 @@ class RelayResponse(Response):
                 chunk = self._renamed(chunk)
                 if chunk:
                     return chunk
-        except UpstreamBroken:
+        except UpstreamBroken as exc:
             self._end()
-            return _stream_broken()
+            return _stream_broken(exc)
 
     async def pipe(self, write: Callable[[bytes], None]) -> None:
         """Pass the whole stream to ``write``, called from the upstream connection's callbacks
@@ -249,9 +277,9 @@ class RelayResponse(Response):
         try:
             conn.relay_to(sink)
             await conn.finished()
-        except UpstreamBroken:
+        except UpstreamBroken as exc:
             self._end()
-            write(_stream_broken())
+            write(_stream_broken(exc))
             return
         finally:
             conn.relay_to(None)
@@ -335,7 +363,14 @@ class RelayResponse(Response):
                 on_done()
 
 
-def _stream_broken() -> bytes:
+def _stream_broken(cause: UpstreamBroken) -> bytes:
+    if isinstance(cause, UpstreamSilent):
+        return error_event(
+            f"the engine sent nothing for {cause.seconds:g} s (--upstream-timeout); "
+            "the rest of this answer was abandoned",
+            code="engine_timeout",
+            status=504,
+        )
     return error_event(
         "the engine stopped while streaming this answer; it is being restarted, retry the request",
         code="engine_stream_interrupted",

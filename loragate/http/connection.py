@@ -3,6 +3,11 @@
 It carries one exchange at a time, kept alive between them by ``pool`` or closed after one
 by ``oneshot``. httptools' C parser reads the answers; interim (1xx) answers are skipped, and
 a body is delimited by its Content-Length, by chunked encoding or by the connection's end.
+
+An exchange may carry a silence limit: past that many seconds without a byte of the answer
+(its head, or the next piece of its body) the connection is cut and the one waiting gets
+``UpstreamSilent``. A hung engine or upstream would otherwise hold its client, its adapter
+lease and a socket for ever; cutting the connection is also how vLLM learns to stop.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import asyncio
 import functools
 import ssl
 import sys
+import time
 from collections.abc import Callable
 from typing import cast
 
@@ -24,6 +30,18 @@ HIGH_WATER = 256 * 1024
 
 class UpstreamBroken(Exception):
     """The upstream connection failed or sent something that is not HTTP/1.1."""
+
+
+class UpstreamSilent(UpstreamBroken):
+    """The upstream sent nothing for the exchange's silence limit; the connection was cut.
+
+    Not a sign that the upstream is gone (it accepted the request), so never a reason to
+    send the request again.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the upstream sent nothing for {seconds:g} s")
+        self.seconds = seconds
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -41,6 +59,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
         self._sink: Callable[[bytes], None] | None = None
+        self._silence_limit = 0.0
+        self._silence_timer: asyncio.TimerHandle | None = None
+        self._last_byte = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -65,6 +86,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self._last_byte = time.monotonic()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -76,6 +98,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_silence_timer()
+        if self.error is not None:  # cut for a reason already recorded (UpstreamSilent)
+            self._wake()
+            return
         if self.head_done and not self.complete and self._until_close and exc is None:
             self.complete = True  # a body delimited by the connection's end
             self._wake()
@@ -125,16 +151,46 @@ class UpstreamConnection(asyncio.Protocol):
         # Only valid here: once feed_data returns, the parser has reset for the next message.
         self._keep_alive = self._parser.should_keep_alive()
         self.complete = True
+        self._stop_silence_timer()
         self._wake()
 
     # the exchange, seen from the coroutine that owns it
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, silence_limit: float | None = None) -> None:
+        """Start an exchange; with ``silence_limit``, it fails with ``UpstreamSilent`` once
+        the upstream has sent nothing for that many seconds (while the answer is not held
+        back by ``hold``)."""
         assert self.transport is not None
         self._reset()
         self._sink = None
         self.exchanges += 1
+        self._stop_silence_timer()
+        if silence_limit:
+            self._silence_limit = silence_limit
+            self._last_byte = time.monotonic()
+            loop = asyncio.get_running_loop()
+            self._silence_timer = loop.call_later(silence_limit, self._check_silence)
         self.transport.write(data)
+
+    def _check_silence(self) -> None:
+        """One timer per exchange, re-armed for what is left rather than reset per chunk."""
+        self._silence_timer = None
+        if self.complete or self.closed:
+            return
+        now = time.monotonic()
+        if self._paused:  # the client is not reading: not the upstream's silence
+            self._last_byte = now
+        left = self._last_byte + self._silence_limit - now
+        if left > 0:
+            self._silence_timer = asyncio.get_running_loop().call_later(left, self._check_silence)
+            return
+        self._fail(UpstreamSilent(self._silence_limit))
+        self.abort()
+
+    def _stop_silence_timer(self) -> None:
+        if self._silence_timer is not None:
+            self._silence_timer.cancel()
+            self._silence_timer = None
 
     async def head(self) -> None:
         while not self.head_done:

@@ -4,6 +4,9 @@ Idle connections go back to a per-origin stack and are dropped when the upstream
 or after ``idle_timeout`` (below uvicorn's 5 s keep-alive, so we do not race the server's own
 close). ``exchange`` sends a request and waits for the answer's head, on an idle connection if
 there is one; how it fails tells the caller whether the request may be sent again.
+
+A waiter cancelled mid-exchange (its client went away) cuts that connection: it is never
+given back half-read, and the cut is what tells the engine to stop generating.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from loragate.http.connection import UpstreamBroken, UpstreamConnection, connect
+from loragate.http.connection import UpstreamBroken, UpstreamConnection, UpstreamSilent, connect
 from loragate.http.wire import Origin, Target
 
 
@@ -31,10 +34,19 @@ class Unreachable(Exception):
 
 
 class Pool:
-    def __init__(self, connect_timeout: float, idle_timeout: float, max_idle: int) -> None:
+    def __init__(
+        self,
+        connect_timeout: float,
+        idle_timeout: float,
+        max_idle: int,
+        silence_limit: float | None = None,
+    ) -> None:
+        """``silence_limit``: seconds an upstream may send nothing of an answer before its
+        connection is cut (``UpstreamSilent``); None for no limit."""
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self.max_idle = max_idle
+        self.silence_limit = silence_limit
         self._idle: dict[Origin, list[UpstreamConnection]] = {}
 
     async def exchange(self, target: Target, request: bytes) -> UpstreamConnection:
@@ -42,14 +54,18 @@ class Pool:
         (to hand back with ``give_back``).
 
         Raises ``Unreachable`` when the request can be sent again, ``UpstreamBroken`` (or
-        ``OSError``) when it may have been acted on.
+        ``OSError``) when it may have been acted on, ``UpstreamSilent`` when no answer came
+        in time.
         """
         conn = self._take_idle(target.origin)
         if conn is not None:
-            conn.send(request)
+            conn.send(request, self.silence_limit)
             try:
                 await conn.head()
                 return conn
+            except UpstreamSilent:
+                conn.abort()
+                raise
             except UpstreamBroken:
                 conn.abort()
                 if conn.got_bytes:
@@ -68,6 +84,9 @@ class Pool:
                 except OSError as exc:
                     raise UpstreamBroken(f"the upstream went away: {exc}") from exc
                 return await self._first_answer(conn, request)
+            except BaseException:  # cancelled: the client left; the engine must stop too
+                conn.abort()
+                raise
         try:
             conn = await self._connect(target.origin)
         except (
@@ -83,9 +102,12 @@ class Pool:
 
     async def _first_answer(self, conn: UpstreamConnection, request: bytes) -> UpstreamConnection:
         """Send ``request`` on a new connection and wait for the answer's head."""
-        conn.send(request)
+        conn.send(request, self.silence_limit)
         try:
             await conn.head()
+        except UpstreamSilent:
+            conn.abort()
+            raise
         except UpstreamBroken as exc:
             conn.abort()
             if conn.got_bytes:

@@ -69,6 +69,17 @@ class ServingFields(BaseModel):
         json_schema_extra=serve_option(),
     )
     upstream_api_key: str | None = Field(default=None, description="Bearer key for --upstream-url.")
+    upstream_timeout: int = Field(
+        default=600,
+        ge=0,
+        description=(
+            "Seconds the engine (or --upstream-url server) may send nothing while answering "
+            "before the request is abandoned: a 504 (mid-stream, an error event) and its "
+            "connection cut, so the engine stops. A non-streamed answer arrives whole at its "
+            "end, so this also bounds its generation time. 0: no limit."
+        ),
+        json_schema_extra=serve_option(),
+    )
     run_id: str | None = Field(
         default=None,
         description="Serve a Datature Vi training run: its base model and its adapter.",

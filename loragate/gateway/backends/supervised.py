@@ -59,7 +59,7 @@ class SupervisedEngineBackend:
         )
         self.supervisor.queue_size = settings.queue_size
         self.engine = EngineClient(self.supervisor)
-        self.proxy = ProxyClient()
+        self.proxy = ProxyClient(silence_limit=settings.upstream_timeout or None)
         self.manager: AdapterManager | None = None
         self.slots: AdapterSlots | None = None
         self.model_dir: Path | None = None

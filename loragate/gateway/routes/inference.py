@@ -5,11 +5,13 @@ JSON body, nothing from a framework. They are reached two ways, no more: under `
 serve``, straight from uvicorn's connections (``hot_protocol``, the one module that touches
 uvicorn's internals); on any other ASGI server (or with CORS on), through the router as
 plain Starlette routes (FastAPI's dependency solving would cost a fifth of the gateway's time
-for nothing). Errors keep their OpenAI shape both ways.
+for nothing). Errors keep their OpenAI shape both ways. A client that leaves before its answer
+cancels it both ways too (here: ``_unless_client_leaves``), which stops the engine's generation.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
+from starlette.types import Receive
 
 from loragate.gateway.auth import HasHeaders
 from loragate.gateway.errors import OpenAIError, model_not_found
@@ -156,10 +159,40 @@ def _asgi_route(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
         gateway: Gateway = request.app.state.gateway
         request_id = admit(gateway, request)
         payload = await read_json_object(request, gateway.settings.max_body_bytes)
-        return await endpoint(gateway, request_id, payload)
+        return await _unless_client_leaves(request.receive, endpoint(gateway, request_id, payload))
 
     route.__name__ = endpoint.__name__
     return route
+
+
+async def _unless_client_leaves(receive: Receive, answer: Awaitable[Response]) -> Response:
+    """``answer``, cancelled if the client disconnects first (what the hot path's
+    ``connection_lost`` does): the cancel cuts the engine connection, so the engine aborts the
+    generation, and ends the adapter lease. Then a 499 nobody reads is what is returned (for
+    the metrics and the access log). Once the body is read, ``receive`` gives nothing but
+    ``http.disconnect``: when the client leaves, or after the response is sent."""
+    work = asyncio.ensure_future(answer)
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        left = True
+        work.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if not left or (task is not None and task.cancelling()):
+            raise
+        return OpenAIError(
+            499, "the client closed the connection before its answer", code="client_closed_request"
+        ).response()
+    finally:
+        watcher.cancel()
 
 
 for _path, _endpoint in HOT_ROUTES.items():
