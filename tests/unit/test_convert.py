@@ -301,6 +301,42 @@ def test_subprocess_conversion_surfaces_the_childs_message(tmp_path: Path) -> No
     assert "Traceback" not in message
 
 
+def test_a_full_disk_in_the_child_comes_back_as_enospc_not_as_a_bad_adapter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+
+    from loragate.adapters.convert import child_process
+
+    def write_to_a_full_disk(*args: Any) -> None:
+        with open("/dev/full", "wb") as handle:  # a real ENOSPC, from the kernel
+            handle.write(b"weights")
+            handle.flush()
+
+    monkeypatch.setattr(child_process, "convert_to_peft", write_to_a_full_disk)
+    assert child_process.main([str(tmp_path / "src"), str(tmp_path / "out")]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(child_process.ERROR_MARKER + child_process.NO_SPACE)
+
+    # The parent reads that line from a real child process and raises ENOSPC, which the
+    # pipeline answers as a 507, not as "adapter rejected".
+    child = tmp_path / "child-python"
+    child.write_text(f"#!/bin/sh\necho {line!r} >&2\nexit 1\n")
+    child.chmod(0o755)
+    with pytest.raises(OSError) as caught:
+        convert_in_subprocess(tmp_path / "src", tmp_path / "out", None, python=str(child))
+    assert caught.value.errno == errno.ENOSPC and "No space left on device" in str(caught.value)
+
+
+@pytest.mark.parametrize("r", [float("inf"), float("nan"), 0, True])
+def test_a_rank_that_is_not_a_whole_number_is_a_conversion_error(r: Any) -> None:
+    from loragate.adapters.convert import build_peft_config
+
+    shapes = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": (8, 16)}
+    with pytest.raises(ConversionError, match="r must be a positive whole number"):
+        build_peft_config({"r": r, "lora_alpha": 16}, shapes, "peft", None)
+
+
 def test_importing_the_adapter_modules_does_not_import_torch() -> None:
     code = (
         "import sys\n"
