@@ -115,6 +115,18 @@ class EngineVersions:
             self._counters["loads"] += 1
         self.last_load_seconds = time.perf_counter() - started
 
+    async def unload_unused(self, eid: str) -> None:
+        """Unload ``eid`` now: loaded for a swap that did not happen, so never routed and
+        leased by no request (the caller holds the name's lock). A failure is logged only:
+        the engine keeps an unrouted version, which nothing asks for."""
+        try:
+            await self._engine.unload_adapter(eid)
+        except (EngineRefused, EngineUnavailable, OSError) as exc:
+            log.warning("could not unload %s: %s", eid, exc)
+            return
+        self.loaded.discard(eid)
+        self._counters["unloads"] += 1
+
     def retire(self, name: str, old_eid: str) -> None:
         """Unload ``old_eid`` (no longer routed for ``name``) once its requests have drained."""
         task = asyncio.create_task(self._unload_when_drained(name, old_eid))

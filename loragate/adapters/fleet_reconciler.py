@@ -9,6 +9,13 @@ is not the pinned one) is not retried until its entry changes; the current versi
 serving and the refusal is reported. Failures that may pass (the engine restarting) are
 retried on the next pass.
 
+One entry never holds back the others: whatever it raises (a refusal, an ``OverflowError``
+from its config, a full disk) is recorded as that entry's error and the pass goes on. A
+manifest that cannot be read, or names no adapter without saying so, changes nothing (see
+``fleet_manifest``), and a pass removes at most ``max_removals`` adapters: one that would
+remove more removes none and says why, since a manifest cut short would otherwise empty
+every replica at once.
+
 The manifest's revision (sha256 of its bytes) is reported twice: the latest one fetched, and
 the one this gateway serves in full (every entry applied), so replicas can be compared.
 """
@@ -48,10 +55,12 @@ class FleetReconciler:
         source: str,
         interval: float,
         fetch: Fetcher = fetch_fleet_manifest,
+        max_removals: int = 10,
     ) -> None:
         self._manager = manager
         self.source = source
         self.interval = interval
+        self.max_removals = max_removals
         self._fetch = fetch
         self._applied: dict[str, DesiredAdapter] = {}
         self._refused: dict[str, DesiredAdapter] = {}
@@ -102,12 +111,14 @@ class FleetReconciler:
         )
 
     def summary(self) -> dict[str, Any]:
-        """What /health shows (it needs no key): revisions and convergence, no sources or
-        errors (those are in the admin API's ``report``)."""
+        """What /health shows (it needs no key): revisions, convergence and why the manifest
+        is not applied, if it is not (its source redacted); no sources or per-adapter errors
+        (those are in the admin API's ``report``)."""
         return {
             "serving_revision": self.serving_revision,
             "latest_revision": self.latest_revision,
             "converged": self.converged,
+            "error": self.manifest_error,
         }
 
     def report(self) -> dict[str, Any]:
@@ -128,10 +139,15 @@ class FleetReconciler:
         try:
             data = await asyncio.to_thread(self._fetch, self.source)
             manifest = parse_fleet_manifest(data)
-        except FleetManifestError as exc:
-            self.manifest_error = redact_urls(str(exc))
+        except Exception as exc:  # unreadable, whatever the reason: nothing changes
+            why = (
+                str(exc) if isinstance(exc, FleetManifestError) else f"{type(exc).__name__}: {exc}"
+            )
+            self.manifest_error = redact_urls(why)
             self.checked_at = time.time()
-            log.error("adapters manifest: %s (serving what was applied before)", exc)
+            log.error(
+                "adapters manifest: %s (serving what was applied before)", self.manifest_error
+            )
             return
         self.manifest_error = None
         if manifest.revision != self.latest_revision:
@@ -159,22 +175,34 @@ class FleetReconciler:
                 await manager.put(
                     name, desired.source, desired.revision, desired.follow, digest=desired.digest
                 )
-            except AdapterError as exc:
+            except Exception as exc:
                 complete = False
-                self.errors[name] = redact_urls(str(exc))
-                if exc.status < 500:
+                self.errors[name], refused = _failure(exc)
+                if refused:
                     self._refused[name] = desired
                 log.error("adapters manifest: %s not applied: %s", name, self.errors[name])
                 continue
             self._applied[name] = desired
             self.errors.pop(name, None)
             self._refused.pop(name, None)
-        for name in sorted(set(manager.manifest.entries) - set(manifest.adapters)):
+        held = set(manager.manifest.entries) | set(manager.manifest.unreadable)
+        gone = sorted(held - set(manifest.adapters))
+        if len(gone) > self.max_removals:
+            complete = False
+            self.manifest_error = (
+                f"the manifest would remove {len(gone)} adapters in one pass ({', '.join(gone)}), "
+                f"more than fleet_max_removals ({self.max_removals}): none removed. Remove fewer "
+                "at a time, or raise LORAGATE_FLEET_MAX_REMOVALS"
+            )
+            log.error("adapters manifest: %s", self.manifest_error)
+            gone = []
+        for name in gone:
             try:
                 await manager.remove(name)
-            except AdapterError as exc:
+            except Exception as exc:
                 complete = False
-                self.errors[name] = redact_urls(str(exc))
+                self.errors[name] = _failure(exc)[0]
+                log.error("adapters manifest: %s not removed: %s", name, self.errors[name])
                 continue
             self._applied.pop(name, None)
         for name in set(self.errors) - set(manifest.adapters) - set(manager.manifest.entries):
@@ -191,6 +219,16 @@ class FleetReconciler:
             return True
         # First sight since start: what this gateway kept in its cache may be it already.
         return _entry_matches(entry, desired)
+
+
+def _failure(exc: Exception) -> tuple[str, bool]:
+    """What to report of ``exc``, raised applying one entry, and whether it is a refusal (not
+    tried again until the entry changes) rather than a failure that may pass (engine
+    restarting, disk full: tried again next pass)."""
+    if isinstance(exc, AdapterError):
+        return redact_urls(str(exc)), exc.status < 500
+    log.error("adapters manifest: unexpected error applying an entry", exc_info=exc)
+    return redact_urls(f"{type(exc).__name__}: {exc}"), not isinstance(exc, OSError)
 
 
 def _entry_matches(entry: ManifestEntry, desired: DesiredAdapter) -> bool:

@@ -4,9 +4,15 @@ Each adapter version is loaded into the engine under its own engine id (``name@<
 the public name routes to the active one. A swap loads the new version first, then flips the
 route, then unloads the old version once its in-flight requests have drained, so no request
 fails or moves between versions (the engine side of it: ``engine_versions``). Operations on
-one name are serialized; a failure before the flip changes nothing. Base-model requests can be
-routed through an all-zero adapter (see ``zero_adapter``) so that no request ever runs without
-a LoRA slot on the CPU build.
+one name are serialized; a failure before the flip changes nothing, and so does a manifest
+that cannot be saved (the version just loaded is unloaded, the route stays). Base-model
+requests can be routed through an all-zero adapter (see ``zero_adapter``) so that no request
+ever runs without a LoRA slot on the CPU build.
+
+One adapter never takes the others down: each manifest entry (and each ``--lora``) is
+applied on its own at boot and after an engine restart, and whatever goes wrong with it (an
+unreadable entry, a refusal, an unexpected exception) becomes that adapter's ``failures``
+entry, shown in ``GET /admin/adapters`` and ``/health``.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any
 
 from loragate.adapters.downloads import redact_urls
 from loragate.adapters.engine_versions import EngineVersions, engine_id
-from loragate.adapters.errors import AdapterError
+from loragate.adapters.errors import AdapterError, disk_error
 from loragate.adapters.follow import AdapterFollower
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
@@ -100,6 +106,11 @@ class AdapterManager:
             self._zero_dir = write_zero_adapter(base_config, zero_adapter_root / digest[:16])
             self.base_engine_id = engine_id(ZERO_ADAPTER_NAME, digest)
         self.routes.route(base_name, self.base_engine_id)
+        for name, (why, _) in manifest.unreadable.items():
+            self.failures[name] = (
+                f"its entry in the adapter manifest {manifest.path} cannot be read ({why}); "
+                "PUT the adapter again or DELETE it"
+            )
         self.follower = AdapterFollower(self, follow_interval)
         self.store_watch = StoreWatch(self, follow_interval)
 
@@ -157,13 +168,14 @@ class AdapterManager:
         if self._zero_dir is not None:
             modules[self.base_engine_id] = self._zero_dir
         for entry in self.manifest.entries.values():
-            stored = self.store.get(entry.active)
-            if stored is None:
-                continue
             try:
+                stored = self.store.get(entry.active)
+                if stored is None:
+                    continue
                 self.store.verify(stored)
-            except TamperedAdapterError as exc:
-                log.error("not loading adapter %s: %s", entry.name, exc)
+            except (TamperedAdapterError, OSError) as exc:
+                # Not passed at boot; on_engine_ready tries it again and reports why not.
+                log.error("not loading adapter %s at boot: %s", entry.name, exc)
                 continue
             modules[engine_id(entry.name, entry.active)] = stored.path
         return modules
@@ -185,8 +197,23 @@ class AdapterManager:
             except (AdapterError, EngineRefused, EngineUnavailable) as exc:
                 self.failures[entry.name] = redact_urls(str(exc))
                 log.error("could not re-apply adapter %s: %s", entry.name, exc)
+            except Exception as exc:  # one adapter's bug must not fail the engine's boot
+                self.failures[entry.name] = redact_urls(f"{type(exc).__name__}: {exc}")
+                log.exception("could not re-apply adapter %s", entry.name)
 
     # ----- admin operations -------------------------------------------------------------------
+
+    async def declare_all(self, adapters: list[tuple[str, str]]) -> None:
+        """``declare`` each (name, source) on its own: one that fails (logged, and kept in
+        ``failures``, so /health says why) does not stop the others; an entry from an
+        earlier run keeps serving meanwhile."""
+        for name, source in adapters:
+            try:
+                await self.declare(name, source)
+            except Exception as exc:
+                why = str(exc) if isinstance(exc, AdapterError) else f"{type(exc).__name__}: {exc}"
+                self.failures[name] = redact_urls(why)
+                log.error("boot adapter %s not prepared: %s", name, self.failures[name])
 
     async def declare(self, name: str, source: str, revision: str | None = None) -> None:
         """Make ``source`` the desired version of ``name`` before the engine boots (boot adapters)."""
@@ -201,7 +228,8 @@ class AdapterManager:
             provenance=prepared.provenance,
             previous=entry.active if entry else None,
         )
-        self.manifest.save()
+        self._save(name, entry)
+        self.failures.pop(name, None)
 
     async def put(
         self,
@@ -253,19 +281,27 @@ class AdapterManager:
         self._check_name(name)
         async with self._locks[name]:
             entry = self.manifest.entries.get(name)
-            if entry is None:
+            unreadable = self.manifest.unreadable.pop(name, None)
+            if entry is None and unreadable is None:
                 raise AdapterError(
                     f"no adapter named {name!r}", status=404, code="adapter_not_found"
                 )
+            self.manifest.entries.pop(name, None)
+            try:
+                self._save(name, entry)
+            except AdapterError:
+                if unreadable is not None:
+                    self.manifest.unreadable[name] = unreadable
+                raise
             old = self.routes.drop(name)
-            del self.manifest.entries[name]
-            self.manifest.save()
             self.failures.pop(name, None)
             if old is not None:
                 self.engine_versions.retire(name, old)
         self.follower.sync()
 
     def describe(self, name: str) -> dict[str, Any]:
+        if name not in self.manifest.entries and name in self.manifest.unreadable:
+            return _unreadable_entry(name, self.failures.get(name))
         entry = self.manifest.entries[name]
         stored = self.store.get(entry.active)
         eid = engine_id(name, entry.active)
@@ -291,7 +327,8 @@ class AdapterManager:
         }
 
     def list(self) -> list[dict[str, Any]]:
-        return [self.describe(name) for name in sorted(self.manifest.entries)]
+        names = set(self.manifest.entries) | set(self.manifest.unreadable)
+        return [self.describe(name) for name in sorted(names)]
 
     async def aclose(self) -> None:
         await self.follower.aclose()
@@ -308,11 +345,26 @@ class AdapterManager:
         if name == self.base_name:
             raise AdapterError(f"{name!r} is the base model's name; choose another adapter name")
 
+    def _save(self, name: str, previous_entry: ManifestEntry | None) -> None:
+        """Save the manifest after a change to ``name``; when that fails (a full disk, a
+        read-only directory) ``name`` is put back as ``previous_entry`` (None: absent) and an
+        ``AdapterError`` says why: memory never runs ahead of the file."""
+        try:
+            self.manifest.save()
+        except OSError as exc:
+            if previous_entry is None:
+                self.manifest.entries.pop(name, None)
+            else:
+                self.manifest.entries[name] = previous_entry
+            log.error("could not save the adapter manifest %s: %s", self.manifest.path, exc)
+            raise disk_error(exc, f"saving the adapter manifest for {name!r}") from None
+
     async def _activate(self, name: str, prepared: PreparedVersion, follow: bool) -> None:
         """Load ``prepared`` under its own engine id, flip the route, retire the old version."""
         digest = prepared.stored.digest
         eid = engine_id(name, digest)
         stored = await self.engine_versions.verified(digest, hash_files=not prepared.verified)
+        newly_loaded = eid not in self.engine_versions.loaded
         await self.engine_versions.load(eid, stored.path)
         previous_entry = self.manifest.entries.get(name)
         old_eid = self.routes.get(name) if name in self.routes.public_names() else None
@@ -329,12 +381,12 @@ class AdapterManager:
             loaded_at=time.time(),
         )
         try:
-            self.manifest.save()
-        except OSError:
-            if previous_entry is None:
-                del self.manifest.entries[name]
-            else:
-                self.manifest.entries[name] = previous_entry
+            self._save(name, previous_entry)
+        except AdapterError:
+            # What is on disk still names the old version: so does the route, and the version
+            # loaded just now for this swap leaves the engine again.
+            if newly_loaded and eid not in self.routes.engine_ids():
+                await self.engine_versions.unload_unused(eid)
             raise
         self.routes.route(name, eid)
         self.failures.pop(name, None)
@@ -344,3 +396,21 @@ class AdapterManager:
         # Store bookkeeping reads and writes files (eviction: every version's metadata).
         await asyncio.to_thread(self.store.touch, stored)
         await asyncio.to_thread(self.store.evict, self.manifest.versions_in_use())
+
+
+def _unreadable_entry(name: str, error: str | None) -> dict[str, Any]:
+    """What ``describe`` says of a manifest entry that could not be read: failed, and why."""
+    return {
+        "name": name,
+        "version": None,
+        "previous_version": None,
+        "source": None,
+        "revision": None,
+        "follow": False,
+        "rank": None,
+        "size_bytes": None,
+        "state": "failed",
+        "error": error,
+        "follow_error": None,
+        "loaded_at": None,
+    }

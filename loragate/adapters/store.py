@@ -13,6 +13,9 @@ Metadata is rewritten atomically (temp file, fsync, rename). A version whose met
 empty or garbled anyway (a crash of an older version, a disk fault, a hand edit) is damaged:
 ``get`` logs it and answers None, as for a missing version, so the caller repairs it from its
 source (storing the same content replaces it) and eviction drops it when nothing needs it.
+Metadata is checked by type when read: the file digests and size must hold (else the version
+is damaged, as above); a bad ``last_used`` or provenance only costs that value (eviction
+takes the version as never used, rollback as stored without a provenance).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -60,11 +64,22 @@ class StoredAdapter:
 
     @property
     def provenance(self) -> Provenance | None:
-        """Where this version was first stored from; None if it was stored without one."""
-        try:
-            return Provenance.from_record(self.meta)
-        except ValueError:
+        """Where this version was first stored from; None if it was stored without one (or
+        its keys do not hold strings)."""
+        meta = self.meta
+        if not isinstance(meta.get("source"), str) or not all(
+            isinstance(meta.get(key), str | None) for key in ("revision", "fingerprint")
+        ):
             return None
+        return Provenance.from_record(meta)
+
+    @property
+    def last_used(self) -> float:
+        """When this version was last used (for eviction); 0, never, when not a time."""
+        value = self.meta.get("last_used")
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        return 0.0
 
 
 def file_digest(path: Path) -> str:
@@ -277,7 +292,7 @@ class AdapterStore:
             return []
         candidates = sorted(
             (s for s in self.all() if s.digest not in protected),
-            key=lambda s: float(s.meta.get("last_used", 0)),
+            key=lambda s: s.last_used,
         )
         evicted = []
         total = self.total_bytes()
@@ -301,10 +316,15 @@ def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str]:
         return None, f"{META_FILENAME} cannot be read: {exc.strerror}"
     except ValueError as exc:  # empty, garbled, not UTF-8
         return None, f"{META_FILENAME} is not valid JSON: {exc}"
+    except RecursionError:
+        return None, f"{META_FILENAME} is nested too deeply"
+    files, size = (meta.get("files"), meta.get("size")) if isinstance(meta, dict) else (None, None)
     if (
-        not isinstance(meta, dict)
-        or not isinstance(meta.get("files"), dict)
-        or not isinstance(meta.get("size"), int)
+        not isinstance(files, dict)
+        or not all(isinstance(name, str) and isinstance(d, str) for name, d in files.items())
+        or not isinstance(size, int)
+        or isinstance(size, bool)
+        or size < 0
     ):
         return None, f"{META_FILENAME} lacks its file digests or size"
     return meta, ""

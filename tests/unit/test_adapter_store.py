@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from loragate.adapters.store import AdapterStore, StoreError, TamperedAdapterError
+from loragate.adapters.store import (
+    AdapterStore,
+    StoredAdapter,
+    StoreError,
+    TamperedAdapterError,
+)
 
 
 def adapter_dir(path: Path, weights: bytes, **config: object) -> Path:
@@ -85,8 +90,30 @@ def test_eviction_drops_the_least_recently_used_unprotected_versions(tmp_path: P
 
 @pytest.mark.parametrize(
     "damage",
-    [b"", b'{"files": {', b"\xff\xfe garbage", b"[]", b'{"size": 3}'],
-    ids=["empty", "truncated", "not-utf8", "not-an-object", "no-digests"],
+    [
+        b"",
+        b'{"files": {',
+        b"\xff\xfe garbage",
+        b"[]",
+        b'{"size": 3}',
+        b'{"files": {"adapter_config.json": 5}, "size": 3}',
+        b'{"files": {}, "size": "3"}',
+        b'{"files": {}, "size": true}',
+        b'{"files": {}, "size": -1}',
+        b'{"files": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    ],
+    ids=[
+        "empty",
+        "truncated",
+        "not-utf8",
+        "not-an-object",
+        "no-digests",
+        "digest-not-a-string",
+        "size-a-string",
+        "size-a-bool",
+        "size-negative",
+        "nested-too-deeply",
+    ],
 )
 def test_a_damaged_metadata_file_is_a_damaged_version_not_a_crash(
     tmp_path: Path, damage: bytes, caplog: pytest.LogCaptureFixture
@@ -146,3 +173,37 @@ def test_metadata_is_written_atomically_and_synced(
     # A version removed meanwhile (evicted) is not an error for whoever used it.
     store.remove(stored.digest)
     store.touch(stored)
+
+
+# ----- wrongly typed metadata values ---------------------------------------------------------
+
+
+def _rewrite_meta(stored: StoredAdapter, **values: object) -> None:
+    meta_path = stored.path / ".loragate.json"
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), **values}))
+
+
+@pytest.mark.parametrize("last_used", ["x", None, [1], True, "1e999"], ids=repr)
+def test_a_wrongly_typed_last_used_is_taken_as_never_used(
+    tmp_path: Path, last_used: object
+) -> None:
+    store = AdapterStore(tmp_path / "store")
+    odd, used, live = (
+        store.put_dir(adapter_dir(tmp_path / name, b"x" * 10, revision=name))
+        for name in ("odd", "used", "live")
+    )
+    _rewrite_meta(odd, last_used=last_used)
+    store.touch(used)
+    store.max_bytes = used.size + live.size
+    assert store.evict(keep=[live.digest]) == [odd.digest]  # no crash; it goes first
+    assert {s.digest for s in store.all()} == {used.digest, live.digest}
+
+
+def test_a_wrongly_typed_provenance_is_read_as_none(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path / "store")
+    stored = store.put_dir(adapter_dir(tmp_path / "a", b"weights"), {"source": "/srv/a"})
+    assert stored.provenance is not None and stored.provenance.source == "/srv/a"
+    for values in ({"source": 12345}, {"source": "/srv/a", "revision": ["main"]}):
+        _rewrite_meta(stored, **values)
+        again = store.get(stored.digest)
+        assert again is not None and again.provenance is None

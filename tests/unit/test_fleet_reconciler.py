@@ -1,8 +1,10 @@
 """Converging on the fleet manifest, through the manager's real swap path (engine answered by
-a double): adds, swaps, rollbacks, removals, refusals that keep the old version serving."""
+a double): adds, swaps, rollbacks, removals, refusals that keep the old version serving, and
+manifests or entries that go wrong without taking the others down."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 from pathlib import Path
@@ -26,11 +28,11 @@ class Fleet:
         self.store = AdapterStore(tmp_path / "store")
         self.versions = {
             tag: self.store.put_dir(adapter_source(tmp_path / tag, 1024, tag))
-            for tag in ("v1", "v2")
+            for tag in ("v1", "v2", "v3")
         }
         self.manager, self.engine = make_manager(tmp_path, self.store, self.versions)
         self.prepared: list[str] = []
-        self.failing: dict[str, AdapterError] = {}
+        self.failing: dict[str, Exception] = {}
         self.manager._prepare = self._prepare  # type: ignore[method-assign]
         self.data: bytes | Exception = b'{"adapters": {}}'
         self.reconciler = FleetReconciler(
@@ -50,6 +52,11 @@ class Fleet:
 
     def declare(self, **adapters: Any) -> str:
         self.data = json.dumps({"adapters": adapters}).encode()
+        return hashlib.sha256(self.data).hexdigest()
+
+    def declare_none(self) -> str:
+        """A manifest that serves no adapter, on purpose."""
+        self.data = b'{"adapters": {}, "allow_empty": true}'
         return hashlib.sha256(self.data).hexdigest()
 
     def serving(self, name: str) -> str | None:
@@ -90,7 +97,7 @@ async def test_adds_swaps_rolls_back_and_removes(fleet: Fleet) -> None:
     await fleet.reconciler.reconcile()  # nothing changed: nothing fetched or swapped
     assert len(fleet.prepared) == prepared
 
-    r0 = fleet.declare()
+    r0 = fleet.declare_none()
     await fleet.reconciler.reconcile()
     assert "fox" not in fleet.manager.manifest.entries and fleet.serving("fox") is None
     assert fleet.reconciler.serving_revision == r0 and fleet.reconciler.converged
@@ -160,3 +167,94 @@ async def test_what_the_cache_already_serves_is_not_fetched_again_at_start(
     prepared = len(fleet.prepared)
     await restarted.reconcile()
     assert len(fleet.prepared) == prepared and restarted.converged
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"adapters:\n",  # the file cut short after its first line
+        b"adapters: null\n",
+        b"",
+        b'{"adapters": {}}',  # empty, but not said to be on purpose
+        b'{"adapters": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b"adapters:\n" + b"".join(b"  " * i + b"a:\n" for i in range(1, 700)),
+    ],
+    ids=["truncated", "null", "empty-file", "empty-unasked", "deep-json", "deep-yaml"],
+)
+async def test_a_manifest_that_says_nothing_by_accident_keeps_the_last_good_set(
+    fleet: Fleet, data: bytes
+) -> None:
+    r1 = fleet.declare(fox={"source": "v1"}, owl={"source": "v2"})
+    await fleet.reconciler.reconcile()
+    fleet.data = data
+    await fleet.reconciler.reconcile()
+    assert fleet.serving("fox") == f"fox@{digest(fleet, 'v1')[:12]}"
+    assert fleet.serving("owl") == f"owl@{digest(fleet, 'v2')[:12]}"
+    assert set(fleet.manager.manifest.entries) == {"fox", "owl"}
+    report, health = fleet.reconciler.report(), fleet.reconciler.summary()
+    assert report["serving_revision"] == r1 and not report["converged"]
+    assert report["error"] and health["error"] == report["error"]  # /health shows it too
+
+
+async def test_a_fresh_replica_shows_why_an_unreadable_manifest_is_not_served(
+    fleet: Fleet,
+) -> None:
+    fleet.data = b'{"adapters": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    await fleet.reconciler.reconcile()  # no RecursionError out of the pass
+    assert "nested too deeply" in (fleet.reconciler.summary()["error"] or "")
+    fleet.declare(fox={"source": "v1"})
+    await fleet.reconciler.reconcile()
+    assert fleet.serving("fox") is not None and fleet.reconciler.converged
+    assert fleet.reconciler.summary()["error"] is None
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OverflowError("cannot convert float infinity to integer"),  # rank_pattern: Infinity
+        FileExistsError(errno.EEXIST, "File exists", "adapter/weights"),  # file and directory
+        OSError(errno.ENOSPC, "No space left on device"),
+    ],
+    ids=["overflow", "file-exists", "disk-full"],
+)
+async def test_an_entry_that_raises_anything_does_not_stop_the_others(
+    fleet: Fleet, failure: Exception
+) -> None:
+    fleet.failing["v1"] = failure
+    fleet.declare(ant={"source": "v1"}, bee={"source": "v2"}, cat={"source": "v3"})
+    await fleet.reconciler.reconcile()
+    assert fleet.serving("ant") is None
+    assert fleet.serving("bee") == f"bee@{digest(fleet, 'v2')[:12]}"
+    assert fleet.serving("cat") == f"cat@{digest(fleet, 'v3')[:12]}"
+    # The pass went through the manifest: a fresh replica is ready, and says what is wrong.
+    assert fleet.reconciler.applied_once and not fleet.reconciler.converged
+    assert type(failure).__name__ in fleet.reconciler.report()["adapter_errors"]["ant"]
+    del fleet.failing["v1"]
+    await fleet.reconciler.reconcile()
+    if isinstance(failure, OSError):  # may pass (disk freed): tried again on the next pass
+        assert fleet.serving("ant") is not None and fleet.reconciler.converged
+    else:  # the same input fails the same way: not tried again until its entry changes
+        assert fleet.serving("ant") is None
+        fleet.declare(
+            ant={"source": "v1", "revision": "fixed"}, bee={"source": "v2"}, cat={"source": "v3"}
+        )
+        await fleet.reconciler.reconcile()
+        assert fleet.serving("ant") is not None and fleet.reconciler.converged
+
+
+async def test_a_pass_removes_no_more_than_the_cap(fleet: Fleet) -> None:
+    fleet.reconciler.max_removals = 2
+    names = ["ant", "bee", "cat", "dog"]
+    fleet.declare(**{name: {"source": "v1"} for name in names})
+    await fleet.reconciler.reconcile()
+    fleet.declare(ant={"source": "v1"})  # three removals at once: over the cap
+    await fleet.reconciler.reconcile()
+    assert all(fleet.serving(name) is not None for name in names)
+    report = fleet.reconciler.report()
+    assert "would remove 3 adapters" in report["error"] and "fleet_max_removals" in report["error"]
+    assert not report["converged"] and fleet.reconciler.summary()["error"] == report["error"]
+
+    r2 = fleet.declare(ant={"source": "v1"}, bee={"source": "v1"})  # two: within the cap
+    await fleet.reconciler.reconcile()
+    assert [n for n in names if fleet.serving(n)] == ["ant", "bee"]
+    assert fleet.reconciler.serving_revision == r2 and fleet.reconciler.converged
