@@ -19,12 +19,23 @@ class BootFailed(Exception):
         self.permanent = permanent
 
 
+# An exception's own line, as a traceback ends: ``package.module.SomethingError: message``.
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b:")
+# Any line naming an error, for logs whose cause is not a traceback's last line.
 _ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b:")
-# Lines that only point elsewhere: vLLM's API server says these after the real error.
-_WRAPPER_ERRORS = (
-    "See root cause above",
-    "Engine core initialization failed",
-    "Engine process failed to start",
+# vLLM's record prefix on each line a process logs: "(Worker pid=12) ERROR 12-01 21:18:58
+# [multiproc_executor.py:953] ". The worker, the engine core and the API server each write
+# their own records (and the API server's last traceback without one).
+_RECORD_PREFIX = re.compile(
+    r"^\((?:[\w ]+) pid=\d+\)\s+(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+"
+    r"\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?"
+)
+# Errors that only point elsewhere: an engine core or API server raising because a process
+# below it failed says this after the real error (which a worker logged above it).
+_WRAPPER_ERRORS = re.compile(
+    r"root cause|see above|see stack trace|see the (?:log|error)|initialization failed|"
+    r"failed to start|Failed core proc",
+    re.IGNORECASE,
 )
 _BOOT_BANNER = "===== loragate: engine boot at"
 # Start-up errors that another attempt can fix by itself (the next boot removes a stale socket).
@@ -45,27 +56,61 @@ def current_boot(lines: list[str]) -> list[str]:
 
 
 def root_cause(lines: list[str], limit: int = 600) -> str | None:
-    """The engine's own root-cause line: the last ``SomethingError: ...`` line that is not a
-    wrapper pointing at another, with the indented lines that continue it (pydantic puts the
-    actual reason there). None when the log holds no error line."""
-    found: int | None = None
-    for index in range(len(lines) - 1, -1, -1):
-        line = lines[index]
-        if not _ERROR_LINE.search(line):
-            continue
-        if found is None:
-            found = index
-        if not any(wrapper in line for wrapper in _WRAPPER_ERRORS):
-            found = index
-            break
+    """The engine's own root-cause line, from whichever of its processes logged it.
+
+    The last exception line (a traceback's ``SomethingError: ...``) that is not a wrapper
+    pointing at another ("See root cause above", "See stack trace for root cause"), with the
+    lines that continue its message (pydantic and transformers put the actual reason there);
+    the record prefix each vLLM process writes is left out. Failing any exception line, the last
+    line naming an error. None when the log holds no error line.
+    """
+    bare = [_RECORD_PREFIX.sub("", line) for line in lines]
+    found = _last_cause(bare, _EXCEPTION_LINE)
+    if found is None:
+        found = _last_cause(bare, _ERROR_LINE)
     if found is None:
         return None
-    parts = [lines[found].strip()]
-    for follow in lines[found + 1 : found + 3]:
-        if follow.startswith((" ", "\t")):
-            parts.append(follow.strip())
-    text = " ".join(parts)
+    parts = [bare[found].strip()]
+    process = _process_of(lines[found])
+    after_colon = parts[0].endswith(":")
+    following = zip(lines[found + 1 : found + 6], bare[found + 1 : found + 6], strict=True)
+    for raw, follow in following:
+        if _process_of(raw) != process or not _continues(follow, after_colon):
+            break
+        parts.append(follow.strip())
+    text = " ".join(part for part in parts if part)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _last_cause(lines: list[str], pattern: re.Pattern[str]) -> int | None:
+    """The index of the last line matching ``pattern`` that is not a wrapper (else of the
+    last wrapper: it is all there is)."""
+    wrapper: int | None = None
+    for index in range(len(lines) - 1, -1, -1):
+        line = lines[index].strip() if pattern is _EXCEPTION_LINE else lines[index]
+        if not pattern.search(line):
+            continue
+        if not _WRAPPER_ERRORS.search(line):
+            return index
+        if wrapper is None:
+            wrapper = index
+    return wrapper
+
+
+def _process_of(line: str) -> str:
+    """The vLLM process that wrote ``line`` ("Worker pid=12"), "" for a line without a prefix."""
+    return line[1 : line.index(")")] if _RECORD_PREFIX.match(line) else ""
+
+
+def _continues(line: str, after_colon: bool) -> bool:
+    """Whether ``line`` continues an exception's message: indented, or any line after a message
+    that ended with a colon; never a traceback frame, a new traceback or an empty line."""
+    text = line.strip()
+    if not text or text.startswith(('File "', "Traceback", "During handling", "The above ")):
+        return False
+    if _EXCEPTION_LINE.search(text):
+        return False
+    return after_colon or line.startswith((" ", "\t"))
 
 
 def summarize_failure(lines: list[str], limit: int = 600) -> str:

@@ -8,7 +8,6 @@ its memory on the CPU build, loragate's CPU LoRA ops, and a check of the paralle
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -144,7 +143,9 @@ async def _choose_model(settings: Settings, cache_dir: Path) -> tuple[EnginePlan
         model_dir = await asyncio.to_thread(
             resolve_base_model, settings.model, cache_dir, python=settings.engine_python
         )
-    base_config = json.loads((model_dir / "config.json").read_text())
+    from loragate.adapters.models import read_base_config
+
+    base_config = read_base_config(model_dir)
     return EnginePlan(model_dir, base_config, boot_loras, extra_args), tool_parser
 
 
