@@ -411,3 +411,121 @@ async def test_a_header_with_a_line_break_is_refused_by_both_clients(
     assert seen in ([], [b""])  # nothing of the request was sent
     with pytest.raises(ValueError, match="line break"):
         await oneshot.request("GET", "http://127.0.0.1:9/x", timeout=1, headers=header)
+
+
+# ----- work nobody waits for: the caller leaves, or the upstream goes silent ---------------------
+
+
+def answer_first_then(stage: str, hung_up: asyncio.Event) -> Handler:
+    """Answers the first request; on the second (on the same kept-alive connection) sends
+    ``stage`` of an answer ("nothing" or "half": the head and part of the body), then waits
+    for the gateway to hang up and says so."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(json_response(ANSWER))
+        await writer.drain()
+        await read_request(reader)
+        if stage == "half":
+            writer.write(json_response(ANSWER)[:-10])
+            await writer.drain()
+        await reader.read()  # b"" once the gateway closes its end
+        hung_up.set()
+
+    return handler
+
+
+@pytest.mark.parametrize("stage", ["nothing", "half"])
+async def test_a_forward_cancelled_midway_cuts_its_kept_alive_connection_and_ends_the_lease(
+    stage: str,
+) -> None:
+    """The client left while the engine was still generating (no head yet, or the body
+    half-read): the connection is cut, not pooled, which is what makes the engine abort,
+    and ``on_done`` (the adapter lease) runs once."""
+    hung_up = asyncio.Event()
+    client, done = ProxyClient(), Done()
+    async with Upstream(answer_first_then(stage, hung_up)).running() as upstream:
+        assert (await forward(client, upstream.url, done)).status_code == 200
+        waiting = asyncio.ensure_future(forward(client, upstream.url, done))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.wait_for(hung_up.wait(), 5)
+        assert done.calls == 2
+        # And the next request gets a fresh connection and a whole answer.
+        response = await forward(client, upstream.url, done)
+        assert response.body == b'{"model":"public","choices":[]}'
+        await client.aclose()
+    assert upstream.connections == 2
+
+
+def silent_after(first: bytes, hung_up: asyncio.Event) -> Handler:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(first)
+        await writer.drain()
+        await reader.read()
+        hung_up.set()
+
+    return handler
+
+
+@pytest.mark.parametrize(
+    "first", [b"", json_response(ANSWER)[:-10]], ids=["no-head", "half-a-body"]
+)
+async def test_an_upstream_silent_past_the_limit_is_a_504_and_cut(first: bytes) -> None:
+    hung_up = asyncio.Event()
+    client, done = ProxyClient(silence_limit=0.5), Done()
+    async with Upstream(silent_after(first, hung_up)).running() as upstream:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(OpenAIError) as caught:
+            await asyncio.wait_for(forward(client, upstream.url, done), 5)
+        took = asyncio.get_running_loop().time() - started
+        await asyncio.wait_for(hung_up.wait(), 5)
+    assert caught.value.status == 504 and caught.value.code == "engine_timeout"
+    assert not isinstance(caught.value, UpstreamUnreachable)  # never sent again
+    assert caught.value.headers["X-Request-ID"] == "r1"
+    assert 0.45 < took < 1.5
+    assert upstream.connections == 1 and done.calls == 1
+
+
+@pytest.mark.parametrize("run", [relay, piped], ids=["asgi", "piped"])
+async def test_a_stream_silent_past_the_limit_ends_with_a_timeout_event(run: Any) -> None:
+    hung_up = asyncio.Event()
+    client, done = ProxyClient(silence_limit=0.5), Done()
+    first = SSE_HEAD + chunk(b'data: {"model":"engine@1"}\n\n')
+    async with Upstream(silent_after(first, hung_up)).running() as upstream:
+        response = await forward(client, upstream.url, done, stream=True)
+        sent = await asyncio.wait_for(run(response), 5)
+        await asyncio.wait_for(hung_up.wait(), 5)
+    body = b"".join(sent) if run is piped else body_of(sent)
+    first_event, error, end = body.split(b"\n\n", 2)
+    assert first_event == b'data: {"model":"public"}'
+    assert b'"code":"engine_timeout"' in error
+    assert end == b"data: [DONE]\n\n"
+    assert done.calls == 1
+
+
+async def test_a_slow_but_steady_stream_is_not_cut_by_the_silence_limit() -> None:
+    """The limit is on silence, not on the whole answer: 8 events 0.2 s apart outlast a
+    0.5 s limit and arrive whole."""
+
+    async def steady(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        for _ in range(8):
+            await asyncio.sleep(0.2)
+            writer.write(chunk(b'data: {"model":"engine@1"}\n\n'))
+            await writer.drain()
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        await read_request(reader)
+
+    client, done = ProxyClient(silence_limit=0.5), Done()
+    async with Upstream(steady).running() as upstream:
+        response = await forward(client, upstream.url, done, stream=True)
+        body = b"".join(await asyncio.wait_for(piped(response), 10))
+        await client.aclose()
+    assert body.count(b'data: {"model":"public"}') == 8 and body.endswith(b"data: [DONE]\n\n")
