@@ -154,11 +154,13 @@ class SupervisedEngineBackend:
         if settings.adapters_manifest:
             # The manifest names every adapter (the demo's and a Vi run's included).
             self.fleet = FleetReconciler(
-                self.manager, settings.adapters_manifest, settings.follow_interval
+                self.manager,
+                settings.adapters_manifest,
+                settings.follow_interval,
+                max_removals=settings.fleet_max_removals,
             )
             boot_loras = []
-        for name, source in boot_loras:
-            await self.manager.declare(name, source)
+        await self.manager.declare_all(boot_loras)
         self.manager.follower.sync()
         self.manager.store_watch.start()
         if self.fleet is not None:
