@@ -122,10 +122,11 @@ class Load:
 
 def manifest_report(gateway: GatewayProcess) -> dict[str, Any]:
     """The admin API's account of the manifest, checked against /health's keyless summary
-    (revisions and convergence only: no sources or errors without the admin key)."""
+    (revisions, convergence and the manifest's own error: no sources or per-adapter errors
+    without the admin key)."""
     _, body = gateway.health()
     summary = body["adapters_manifest"]
-    assert set(summary) == {"serving_revision", "latest_revision", "converged"}, summary
+    assert set(summary) == {"serving_revision", "latest_revision", "converged", "error"}, summary
     report: dict[str, Any] = gateway.admin("GET", "/admin/adapters").json()["adapters_manifest"]
     return report
 
@@ -190,6 +191,7 @@ def test_both_replicas_serve_the_manifest_and_only_it(
             "serving_revision": first,
             "latest_revision": first,
             "converged": True,
+            "error": None,
         }
         models = httpx.get(f"{gateway.url}/v1/models", timeout=10).json()["data"]
         assert sorted(m["id"] for m in models) == [BASE, NAME]  # no demo adapters beside it
