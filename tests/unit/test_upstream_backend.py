@@ -12,10 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+import httpx
 import pytest
 
 from loragate.gateway.backends.upstream import UpstreamBackend, split_upstream_url
 from loragate.settings import Settings
+from tests.backend_double import free_port
 
 MODELS = {
     "object": "list",
@@ -179,3 +181,39 @@ async def test_model_name_aliases_the_base_model_both_ways(
     await upstream.forward("/v1/chat/completions", {"model": "lora-a"}, "lora-a", False, "req-2")
     assert json.loads(FakeUpstream.received[-1][2])["model"] == "lora-a"
     await upstream.stop()
+
+
+async def test_upstream_credentials_are_never_shown(tmp_path: Path) -> None:
+    # http://user:password@host/v1 (and a ?key= query): the public /health and a client's
+    # error name the upstream with its secrets as ***.
+    from loragate.gateway.app import create_app
+
+    upstream_server = serving_upstream()
+    url = upstream_server.__enter__()
+    secret_url = url.replace("http://", "http://ops:pa55w0rd-upstream@")
+    app = create_app(Settings(upstream_url=secret_url, cache_dir=tmp_path, host="127.0.0.1"))
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://127.0.0.1"
+        ) as client,
+    ):
+        assert (await client.get("/health")).status_code == 200
+        upstream_server.__exit__(None, None, None)  # gone: its port refuses from now on
+        await app.state.gateway.backend.refresh()
+        health = await client.get("/health")
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={"model": "lora-a", "messages": [{"role": "user", "content": "hi"}]},
+        )
+    assert health.status_code == 503 and "unreachable" in health.json()["reason"]
+    assert chat.status_code == 503 and "upstream server http://***@127.0.0.1:" in chat.text
+    for shown in (health.text, chat.text):
+        assert "pa55w0rd-upstream" not in shown and "ops:" not in shown, shown
+
+    query_url = f"http://127.0.0.1:{free_port()}/v1?api_key=sekrit-in-query"
+    keyed = backend(tmp_path, query_url, probe_timeout=0.5)
+    await keyed.refresh()
+    ready, body = keyed.health()
+    assert not ready and "sekrit-in-query" not in json.dumps(body) and "?***" in body["reason"]
+    await keyed.stop()
