@@ -28,6 +28,7 @@ from tests.adapter_fixtures import (
     write_safetensors,
     write_shaped_adapter,
 )
+from tests.source_networks import sources_may_reach
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 
@@ -256,7 +257,8 @@ def archive_server() -> Iterator[ArchiveServer]:
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
-        yield state
+        with sources_may_reach("127.0.0.0/8"):  # the operator's own store, on loopback here
+            yield state
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -465,6 +467,25 @@ def test_hf_source_larger_than_the_cap_is_refused_when_the_hub_lists_no_sizes(
     assert _leftovers(tmp_path, tmp_path / "dest") == []
     fetched = fetch_source(source, tmp_path / "dest", progress=False, max_bytes=size)
     assert (fetched.path / "adapter_model.safetensors").is_file()
+
+
+def test_hf_source_on_a_full_disk_raises_enospc_not_a_source_error(
+    fake_hub: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import huggingface_hub
+
+    def full_disk(repo_id: str, **kwargs: Any) -> str:
+        with open("/dev/full", "wb") as handle:  # the hub cache's disk filled up
+            handle.write(b"weights")
+            handle.flush()
+        return ""
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", full_disk)
+    with pytest.raises(OSError) as caught:  # the pipeline answers it with a 507
+        fetch_source("hf://acme/lora", tmp_path / "dest", progress=False)
+    assert caught.value.errno == errno.ENOSPC and not isinstance(caught.value, SourceError)
 
 
 def test_hf_source_with_two_different_revisions_is_refused(tmp_path: Path) -> None:

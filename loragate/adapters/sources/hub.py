@@ -4,6 +4,7 @@ shared with base-model and GGUF downloads."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -32,6 +33,20 @@ def parse_hf_source(source: str) -> tuple[str, str | None, str | None]:
 def hf_token() -> str | None:
     """The Hugging Face token from ``HF_TOKEN``, or None to let huggingface_hub find one."""
     return os.environ.get("HF_TOKEN") or None
+
+
+def check_hub_endpoint() -> None:
+    """Refuse an ``HF_ENDPOINT`` that is a loopback, private or link-local address not in
+    ``allowed_source_networks`` (huggingface_hub connects there on its own)."""
+    endpoint = os.environ.get("HF_ENDPOINT")
+    if not endpoint or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        return  # the default endpoint is the public hub; offline, nothing connects
+    from loragate.adapters.source_networks import SourceAddressRefused, check_source_url
+
+    try:
+        check_source_url(endpoint)
+    except SourceAddressRefused as exc:
+        raise SourceError(f"HF_ENDPOINT: {exc}") from exc
 
 
 def hf_progress_class(progress: bool) -> Any:
@@ -66,6 +81,7 @@ def fetch_hf(
     """
     repo, rev_in_source, sub = parse_hf_source(source)
     rev = _pick_revision(source, rev_in_source, revision)
+    check_hub_endpoint()
     _refuse_listed_size(source, repo, rev, sub, max_bytes)
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -88,6 +104,10 @@ def fetch_hf(
             f"{source} is not in the local Hugging Face cache and the hub cannot be reached "
             f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!r}): {exc}"
         ) from exc
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise  # the disk, not the source: the pipeline answers it as such (507)
+        raise SourceError(f"cannot download {source} from Hugging Face: {exc}") from exc
     except Exception as exc:  # auth, not found, network: the hub raises many kinds
         raise SourceError(f"cannot download {source} from Hugging Face: {exc}") from exc
     commit = snapshot.name if _SHA.match(snapshot.name) else None
@@ -105,6 +125,7 @@ def hf_fingerprint(source: str, revision: str | None) -> str | None:
     rev = _pick_revision(source, rev_in_source, revision)
     if rev and _SHA.match(rev):
         return rev  # a commit never moves
+    check_hub_endpoint()
     from huggingface_hub import HfApi
 
     try:
@@ -130,9 +151,11 @@ def _refuse_listed_size(
     One listing call, before any download. When the hub cannot be asked (offline, no
     token, down), the download decides and ``_copy_tree`` counts what arrived.
     """
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.hf_api import RepoFile
 
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+        return  # nothing will be downloaded: only the hub cache can answer
     try:
         listed = HfApi().list_repo_tree(
             repo, path_in_repo=sub, recursive=True, revision=rev, token=hf_token()
