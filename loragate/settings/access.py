@@ -65,7 +65,7 @@ class AccessFields(BaseModel):
     )
     docs: bool = Field(
         default=True,
-        description="Serve /docs, /redoc and /openapi.json.",
+        description="Serve /openapi.json, and /docs: a plain page linking it (no script).",
         json_schema_extra=serve_option("--docs/--no-docs"),
     )
 
