@@ -56,22 +56,21 @@ def without_secrets(text: str) -> str:
     return text
 
 
-def without_secrets_in(value: Any) -> Any:
-    """A JSON-like value (an answer's body) with ``without_secrets`` applied to its strings."""
-    if not _secrets:
-        return value
-    if isinstance(value, str):
-        return without_secrets(value)
-    if isinstance(value, dict):
-        return {key: without_secrets_in(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [without_secrets_in(item) for item in value]
-    return value
-
-
 def loggable(text: str) -> str:
     """``text`` as a log line, the ``/admin/logs`` tail or the status page may show it."""
     return printable(without_secrets(text))
+
+
+def loggable_in(value: Any) -> Any:
+    """A JSON-like value (``/health``, ``/admin/engine``: the status page and ``gateway
+    status`` show them) with ``loggable`` applied to each string in it."""
+    if isinstance(value, str):
+        return loggable(value)
+    if isinstance(value, dict):
+        return {key: loggable_in(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [loggable_in(item) for item in value]
+    return value
 
 
 class SafeFormatter(logging.Formatter):

@@ -150,7 +150,7 @@ TALKATIVE_ENGINE = [
     sys.executable,
     "-c",
     "import sys; print('non-default args:', sys.argv[1:]);"
-    "print('ValueError: invalid --hf-token value', sys.argv[sys.argv.index('--hf-token') + 1]);"
+    "print('ValueError: invalid --hf-token value', sys.argv[sys.argv.index('--hf-token') + 1], '\\x1b[31m');"
     "sys.exit(1)",
 ]
 FAST = SupervisorTimings(
@@ -205,7 +205,8 @@ async def test_an_engine_secret_is_shown_nowhere(tmp_path: Path) -> None:
         written = text_log.stream.getvalue() + js.stream.getvalue()
     # The engine did print it, and the failure quotes it: the routes hide it.
     assert SECRET in supervisor.log_path.read_text()
-    assert "invalid --hf-token value" in health.json()["reason"]
+    reason = health.json()["reason"]
+    assert "invalid --hf-token value *** \\x1b[31m" in reason and "\x1b" not in reason
     assert '"engine"' in logs.text and "non-default args" in logs.text
     assert "spawning engine" in written
     for shown in (health.text, logs.text, engine.text, written):

@@ -15,7 +15,7 @@ from loragate.gateway.errors import OpenAIError
 from loragate.gateway.openapi_schemas import LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAPTER, json_body
 from loragate.gateway.requests.body import read_json_object
 from loragate.gateway.runtime import Gateway
-from loragate.logs import loggable, without_secrets_in
+from loragate.logs import loggable_in
 from loragate.supervisor.process_tree import tree_rss_bytes
 
 
@@ -183,10 +183,7 @@ async def engine_info(request: Request) -> dict[str, Any]:
     launcher = report.get("launcher_pid")
     rss = await asyncio.to_thread(tree_rss_bytes, launcher) if launcher else None
     # Its log tail is shown as /admin/logs shows the engine's lines (the status page has both).
-    tail = report.get("log_tail")
-    if isinstance(tail, list):
-        report["log_tail"] = [loggable(line) for line in tail if isinstance(line, str)]
-    return {**without_secrets_in(report), "rss_bytes": rss}
+    return {**loggable_in(report), "rss_bytes": rss}
 
 
 @router.post("/admin/engine/restart")

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from loragate.gateway.runtime import Gateway
-from loragate.logs import without_secrets_in
+from loragate.logs import loggable_in
 
 router = APIRouter()
 
@@ -16,8 +16,9 @@ router = APIRouter()
 async def health(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     ready, body = gateway.backend.health()
+    # Its reason may quote the engine's output: its secrets or a terminal escape.
     return Response(
-        orjson.dumps(without_secrets_in(body)),  # public: an engine's error may quote its args
+        orjson.dumps(loggable_in(body)),
         status_code=200 if ready else 503,
         media_type="application/json",
         headers={} if ready else {"Retry-After": "5"},
