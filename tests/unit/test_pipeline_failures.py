@@ -33,6 +33,7 @@ from loragate.adapters.store import AdapterStore
 from loragate.gateway.app import create_app
 from tests.adapter_fixtures import make_tar
 from tests.backend_double import ManagedBackendDouble, settings_for
+from tests.source_networks import sources_may_reach
 from tests.unit.test_provenance import TINY_LLAMA, make_manager, tiny_adapter
 
 ADMIN_KEY = "the-admin"
@@ -173,7 +174,8 @@ def archive_url(tmp_path: Path) -> Iterator[str]:
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}/fox.tar.gz"
+        with sources_may_reach("127.0.0.0/8"):  # the operator's own store, on loopback here
+            yield f"http://127.0.0.1:{httpd.server_address[1]}/fox.tar.gz"
     finally:
         httpd.shutdown()
         httpd.server_close()
