@@ -1,7 +1,9 @@
 """Download one file over HTTP(S): streamed, size-capped, resumable, with a progress bar.
 
 The whole transfer has a deadline as well as a per-read timeout, so a server that trickles
-bytes cannot hold the caller forever. Bytes go to ``<name>.part`` beside the target, with the validator (ETag or Last-Modified)
+bytes cannot hold the caller forever. Connections go only where ``source_networks`` allows
+(no loopback, private or link-local address off the operator's list).
+Bytes go to ``<name>.part`` beside the target, with the validator (ETag or Last-Modified)
 in ``<name>.part.json``; a failed local write (a full disk) discards both. A later attempt
 for the same key asks for the rest with ``Range`` + ``If-Range``: the server sends the remainder (206) if the file is unchanged,
 or the whole new file (200) if it changed. The target appears only when complete.
@@ -24,6 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from loragate.adapters.progress import report_bytes
+from loragate.adapters.source_networks import source_client
 
 DEFAULT_TIMEOUT = 30.0  # seconds for one read (and to connect)
 DEFAULT_DEADLINE = 3600.0  # seconds for a whole download: 2 GiB at ~600 kB/s
@@ -137,9 +140,7 @@ def _download(
         request_headers["If-Range"] = validator
     own_client = client is None
     # No single read may outlast the deadline either.
-    http = client or httpx.Client(
-        timeout=httpx.Timeout(min(timeout, deadline)), follow_redirects=True
-    )
+    http = client or source_client(min(timeout, deadline))
     try:
         with http.stream("GET", url, headers=request_headers) as response:
             if response.status_code == 416 and offset:
@@ -310,7 +311,7 @@ def head_validator(
     url: str, *, timeout: float = DEFAULT_TIMEOUT, headers: dict[str, str] | None = None
 ) -> str | None:
     """The ETag (else Last-Modified) of ``url`` from a HEAD request: a cheap change marker."""
-    with httpx.Client(timeout=httpx.Timeout(timeout), follow_redirects=True) as http:
+    with source_client(timeout) as http:
         try:
             response = http.head(url, headers=headers)
             if response.status_code in (405, 501):  # HEAD not allowed: peek at a GET's headers

@@ -13,8 +13,9 @@ nothing" and remove every adapter of every replica at once.
 
 Its revision is the sha256 of its bytes, so every replica computes the same value for the same
 manifest. It is fetched from a local file, an ``http(s)://`` URL or a file in a Hugging Face
-repository (``hf://ORG/REPO[@REV]/PATH``). These sources are the operator's choice (like an
-adapter source given to the admin API), so no private-address policy applies to them.
+repository (``hf://ORG/REPO[@REV]/PATH``). A URL gets the adapter sources' address policy
+(``source_networks``): a loopback, private or link-local host must be in
+``allowed_source_networks``.
 """
 
 from __future__ import annotations
@@ -150,12 +151,15 @@ def fetch_fleet_manifest(source: str, timeout: float = 30.0) -> bytes:
 
 
 def _fetch_url(url: str, timeout: float) -> bytes:
+    """The manifest at ``url``, through the adapter sources' client: an address off
+    ``allowed_source_networks`` (loopback, private, link-local) is refused, every hop."""
     import httpx
 
     from loragate.adapters.downloads import redact
+    from loragate.adapters.source_networks import SourceAddressRefused, source_client
 
     try:
-        with httpx.stream("GET", url, timeout=timeout, follow_redirects=True) as response:
+        with source_client(timeout) as http, http.stream("GET", url) as response:
             if response.status_code != 200:
                 raise FleetManifestError(
                     f"the adapters manifest {redact(url)} answered HTTP {response.status_code}"
@@ -165,7 +169,7 @@ def _fetch_url(url: str, timeout: float) -> bytes:
                 data += chunk
                 if len(data) > MAX_MANIFEST_BYTES:
                     break
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, SourceAddressRefused) as exc:
         raise FleetManifestError(
             f"cannot fetch the adapters manifest {redact(url)}: {exc}"
         ) from None

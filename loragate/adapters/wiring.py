@@ -13,6 +13,7 @@ from typing import Any
 from loragate.adapters.manager import AdapterManager
 from loragate.adapters.manifest import Manifest
 from loragate.adapters.pipeline import AdapterPipeline
+from loragate.adapters.source_networks import allow_source_networks
 from loragate.adapters.store import AdapterStore
 from loragate.settings import Settings
 from loragate.supervisor.engine import EngineSupervisor
@@ -31,6 +32,8 @@ def adapter_manager_for(
     zero_adapter: bool,
 ) -> AdapterManager:
     """The manager of ``model_dir``'s adapters: store, manifest and pipeline from ``settings``."""
+    # Every source download, follow check and manifest fetch of this process obeys it.
+    allow_source_networks(settings.source_networks())
     adapters_root = cache_dir / "adapters"
     store = AdapterStore(adapters_root, max_bytes=settings.store_max_bytes)
     model_key = hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]

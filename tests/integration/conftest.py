@@ -30,7 +30,12 @@ def gateway(
         args=["--allowed-media-dir", str(media_dir)],
         # The engine inherits the gateway's environment: it keeps responses, so that
         # test_engine_surface can fetch them by id.
-        env={"LORAGATE_FOLLOW_INTERVAL": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1"},
+        env={
+            "LORAGATE_FOLLOW_INTERVAL": "1",
+            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+            # test_adapter_formats serves archive sources from 127.0.0.1.
+            "LORAGATE_ALLOWED_SOURCE_NETWORKS": "127.0.0.0/8",
+        },
     ).start()
     try:
         process.wait_listening()

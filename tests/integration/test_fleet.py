@@ -167,7 +167,11 @@ def fleet(
             GatewayProcess(
                 cache_dir=tmp_path_factory.mktemp(f"fleet-{i}"),
                 args=["--adapters-manifest", server.url],
-                env={"LORAGATE_FOLLOW_INTERVAL": str(INTERVAL), **own_cores(i)},
+                env={
+                    "LORAGATE_FOLLOW_INTERVAL": str(INTERVAL),
+                    "LORAGATE_ALLOWED_SOURCE_NETWORKS": "127.0.0.0/8",  # the manifest's server
+                    **own_cores(i),
+                },
             ).start()
             for i in range(2)
         ]

@@ -712,7 +712,8 @@ def trickling_url() -> Iterator[str]:
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}/slow.tar.gz?sig=secret"
+        with sources_may_reach("127.0.0.0/8"):
+            yield f"http://127.0.0.1:{httpd.server_address[1]}/slow.tar.gz?sig=secret"
     finally:
         stop.set()
         httpd.shutdown()

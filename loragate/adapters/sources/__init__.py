@@ -11,6 +11,10 @@ Source forms, one module each:
 - ``tinker``: ``tinker://RUN/sampler_weights/NAME`` (or ``weights``, ``external_weights``;
   NAME may be ``latest``), a Tinker checkpoint, through the ``tinker`` SDK.
 
+Every http(s) connection (archives, Tinker's signed URLs, a hub endpoint set in the
+environment) is checked by ``source_networks``: no loopback, private or link-local address
+unless ``allowed_source_networks`` names it.
+
 ``source_fingerprint`` gives a cheap marker that changes when the source does, for
 follow mode: it never downloads the adapter itself.
 """
@@ -21,6 +25,7 @@ from pathlib import Path
 
 from loragate.adapters.archives import DEFAULT_MAX_BYTES, DEFAULT_MAX_MEMBERS, UnsafeArchiveError
 from loragate.adapters.downloads import DEFAULT_DEADLINE, DEFAULT_TIMEOUT, DownloadError
+from loragate.adapters.source_networks import SourceAddressRefused
 from loragate.adapters.sources.fetched import FetchedSource, FetchLimits, SourceError
 from loragate.adapters.sources.hub import fetch_hf, hf_fingerprint
 from loragate.adapters.sources.local import fetch_local, local_fingerprint
@@ -62,7 +67,7 @@ def fetch_source(
         if source.startswith("tinker://"):
             return fetch_tinker(source, dest, progress, limits)
         return fetch_local(source, dest, limits)
-    except (UnsafeArchiveError, DownloadError) as exc:
+    except (UnsafeArchiveError, DownloadError, SourceAddressRefused) as exc:
         raise SourceError(str(exc)) from exc
 
 
@@ -82,6 +87,6 @@ def source_fingerprint(
             return url_fingerprint(source, timeout)
         if source.startswith("tinker://"):
             return tinker_fingerprint(source)
-    except DownloadError as exc:
+    except (DownloadError, SourceAddressRefused) as exc:
         raise SourceError(str(exc)) from exc
     return local_fingerprint(source)

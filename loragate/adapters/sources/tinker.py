@@ -14,6 +14,11 @@ from typing import Any
 
 from loragate.adapters.downloads import download_file
 from loragate.adapters.provenance import Provenance
+from loragate.adapters.source_networks import (
+    SourceAddressRefused,
+    check_source_url,
+    source_client,
+)
 from loragate.adapters.sources.fetched import (
     FetchedSource,
     FetchLimits,
@@ -87,6 +92,10 @@ def _import_tinker() -> Any:
 
 def _tinker_rest_client(tinker: Any) -> Any:
     try:
+        check_source_url(_tinker_base_url())  # the SDK connects there on its own
+    except SourceAddressRefused as exc:
+        raise SourceError(f"the Tinker endpoint: {exc}") from exc
+    try:
         if hasattr(tinker, "RestClient"):
             return tinker.RestClient()
         return tinker.ServiceClient().create_rest_client()
@@ -150,12 +159,10 @@ def _tinker_archive_url_rest(path: str) -> str:
     api_key = _tinker_api_key()
     route = f"{base_url}/api/v1/training_runs/{run}/checkpoints/{segment}/{name}/archive"
     try:
-        response = httpx.get(
-            route,
-            headers={"X-API-Key": api_key, "Accept": "application/gzip"},
-            follow_redirects=False,
-            timeout=60.0,
-        )
+        with source_client(60.0, follow_redirects=False) as http:
+            response = http.get(route, headers={"X-API-Key": api_key, "Accept": "application/gzip"})
+    except SourceAddressRefused as exc:
+        raise SourceError(f"Tinker at {base_url}: {exc}") from exc
     except httpx.HTTPError as exc:
         raise SourceError(f"cannot reach Tinker at {base_url}: {exc}") from exc
     if response.status_code in (301, 302, 303, 307, 308) and response.headers.get("Location"):
