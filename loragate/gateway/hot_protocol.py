@@ -10,10 +10,12 @@ the body, and a complete answer leaves in one write, head and body together, bef
 bookkeeping (metrics, access log) is done.
 
 Everything HTTP stays uvicorn's: parsing, keep-alive and its timeout, pipelining, flow
-control, ``Expect: 100-continue``, graceful shutdown. This module only replaces the task
-uvicorn starts per request (``_start_asgi_task``) for the hot routes, and drives the same
-``RequestResponseCycle`` uvicorn made for it. It is used only with CORS off (CORS headers
-come from the ASGI middleware); every other route, and any ASGI server, goes through the app.
+control, ``Expect: 100-continue``, graceful shutdown; and ``connection_guard``'s, whose
+protocol this one extends: deadlines, the header budget, requests counted against
+``limit_concurrency``. This module only replaces the task started per admitted request
+(``start_request``) for the hot routes, and drives the same ``RequestResponseCycle`` uvicorn
+made for it. It is used only with CORS off (CORS headers come from the ASGI middleware);
+every other route, and any ASGI server, goes through the app.
 """
 
 from __future__ import annotations
@@ -26,12 +28,10 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 from starlette.responses import Response
-from uvicorn.protocols.http.httptools_impl import (
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
+from loragate.gateway import connection_guard
+from loragate.gateway.connection_guard import SECURITY_LINES, GuardedProtocol
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.metrics import (
     RequestObservation,
@@ -52,7 +52,6 @@ from loragate.gateway.security_headers import SECURITY_HEADERS
 
 log = logging.getLogger("loragate.gateway")
 
-_SECURITY_LINES = b"".join(name + b": " + value + b"\r\n" for name, value in SECURITY_HEADERS)
 _STREAM_END = b"0\r\n\r\n"
 
 
@@ -92,28 +91,27 @@ def fits_this_uvicorn() -> bool:
     never wrong) and says so in its log.
     """
     parameters = set(inspect.signature(RequestResponseCycle.__init__).parameters)
-    starts_tasks = callable(getattr(HttpToolsProtocol, "_start_asgi_task", None))
-    return starts_tasks and parameters.issuperset(_CYCLE_PARTS)
+    return connection_guard.fits_this_uvicorn() and parameters.issuperset(_CYCLE_PARTS)
 
 
-def hot_protocol(gateway: Gateway) -> type[HttpToolsProtocol]:
+def hot_protocol(gateway: Gateway) -> type[HotRouteProtocol]:
     """uvicorn's ``http`` protocol class for this gateway (pass it as ``uvicorn.run(http=...)``)."""
-    return type("HotRouteProtocol", (HotRouteProtocol,), {"gateway": gateway})
+    return HotRouteProtocol.bound_to(gateway.settings, gateway=gateway)
 
 
-class HotRouteProtocol(HttpToolsProtocol):
+class HotRouteProtocol(GuardedProtocol):
     gateway: Gateway
     _relaying: RelayResponse | None = None
     _answering: asyncio.Task[Any] | None = None  # the task of the request being answered
 
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+    def start_request(self, cycle: RequestResponseCycle, app: Any) -> None:
         scope = cycle.scope
         endpoint = None
-        # `app is self.app`: uvicorn swaps in its own 503 app past --limit-concurrency.
+        # `app is self.app`: past --limit-concurrency the guard swaps in its 503 app.
         if scope["method"] == "POST" and app is self.app:
             endpoint = inference.HOT_ROUTES.get(scope["path"])
         if endpoint is None:
-            super()._start_asgi_task(cycle, app)
+            super().start_request(cycle, app)
             return
         task = self.loop.create_task(self._answer(cycle, scope["path"], endpoint))
         task.add_done_callback(self.tasks.discard)
@@ -197,7 +195,7 @@ class HotRouteProtocol(HttpToolsProtocol):
             parts += (name, b": ", value, b"\r\n")
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
-        parts.append(_SECURITY_LINES)
+        parts.append(SECURITY_LINES)
         if not cycle.keep_alive:
             parts.append(b"connection: close\r\n")
         return parts

@@ -1,5 +1,6 @@
-"""What one request, and all of them at once, may take: the queue, body and message sizes,
-max_tokens, and the images a chat request carries (including which URLs it may name)."""
+"""What one request, and all of them at once, may take: the queue, the requests answered at
+once, the deadlines and header budget of a connection, body and message sizes, max_tokens, and
+the images a chat request carries (including which URLs it may name)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,58 @@ class RequestLimitFields(BaseModel):
         default=512,
         ge=1,
         description=(
-            "Most connections and requests at once (uvicorn's --limit-concurrency); past it, a "
-            "503 at once. Each takes a file descriptor, and so may its engine request."
+            "Most requests being answered at once; past it, a 503 at once (GET /health/live "
+            "and /health are always answered). Idle connections do not count: the deadlines "
+            "below close them."
+        ),
+        json_schema_extra=serve_option(),
+    )
+    header_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "Seconds a client has to send a request's line and headers, counted from connecting "
+            "(or, on a kept-alive connection, from the request's first byte); then a 408 and a "
+            "close (a quiet close if it sent nothing)."
+        ),
+        json_schema_extra=serve_option(),
+    )
+    body_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "Seconds a request body may go without a byte arriving while the gateway reads it; "
+            "then the connection is closed."
+        ),
+        json_schema_extra=serve_option(),
+    )
+    write_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "Seconds a client may leave its answer unread (the connection's send buffer full); "
+            "then the connection is closed and its engine request stopped."
+        ),
+        json_schema_extra=serve_option(),
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="Largest request line plus headers, in bytes; past it, a 431 and a close.",
+        json_schema_extra=serve_option(),
+    )
+    max_headers: int = Field(
+        default=100,
+        ge=1,
+        description="Most headers in one request; past it, a 431 and a close.",
+        json_schema_extra=serve_option(),
+    )
+    max_connections_per_peer: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Most connections open at once from one client address; more are closed at once. "
+            "Default: no cap. Leave it off behind a proxy or NAT that many clients share."
         ),
         json_schema_extra=serve_option(),
     )

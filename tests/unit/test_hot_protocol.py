@@ -27,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 
 from loragate.gateway import hot_protocol
 from loragate.gateway.app import create_app
+from loragate.gateway.connection_guard import GuardedProtocol
 from loragate.gateway.server_options import server_options
 from loragate.http.connection import UpstreamConnection
 from loragate.settings import Settings
@@ -184,11 +185,13 @@ def test_the_installed_uvicorn_has_what_the_hot_path_builds_on() -> None:
     assert hot_protocol.fits_this_uvicorn()
 
 
-def test_cors_keeps_every_route_on_the_asgi_path(tmp_path: Path) -> None:
+def test_cors_keeps_every_route_on_the_asgi_path_behind_the_same_guard(tmp_path: Path) -> None:
     plain = gateway_app(tmp_path / "a", RecordingBackend())
     with_cors = gateway_app(tmp_path / "b", RecordingBackend(), cors_origins=["https://x"])
     assert server_options(plain)["http"].__name__ == "HotRouteProtocol"
-    assert server_options(with_cors)["http"] == "httptools"
+    guarded = server_options(with_cors)["http"]
+    assert issubclass(guarded, GuardedProtocol)
+    assert not issubclass(guarded, hot_protocol.HotRouteProtocol)
     assert server_options()["http"] == "httptools"  # no app: nothing to answer hot
 
 
