@@ -170,6 +170,8 @@ def test_each_serve_option_is_the_settings_field_of_its_name(
         args, want = [flag, "a", flag, "b"], ["a", "b"]
     elif "int" in annotation:
         args, want = [flag, "3"], 3
+    elif "float" in annotation:
+        args, want = [flag, "2.5"], 2.5
     elif "Path" in annotation:
         args, want = [flag, "/srv/x"], "/srv/x"
     else:
