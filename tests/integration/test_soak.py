@@ -1,9 +1,10 @@
 """CI's short soak: scripts/soak.py as a user runs it, 90 s instead of 20 minutes.
 
 Load on the base model and every demo adapter, swaps every 10 s, the hostile-input corpus
-every second and one engine kill halfway; the script's verdict (no lost or misrouted
-request, every hostile request refused clearly with nothing fetched, no adapter lost, RSS
-and descriptors flat) must pass.
+every second, 128 idle and 4 slow-header attacker sockets held open the whole time, and one
+engine kill halfway; the script's verdict (no lost or misrouted request, every hostile request
+refused clearly with nothing fetched, every /health/live probe answered, every attacker socket
+closed within the header deadline, no adapter lost, RSS and descriptors flat) must pass.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def test_a_short_soak_with_hostile_requests_and_an_engine_kill_passes(tmp_path: 
     result_file = tmp_path / "soak.json"
     argv = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration", "90"]
     argv += ["--concurrency", "3", "--swap-every", "10", "--hostile-every", "1"]
+    argv += ["--idle-sockets", "128", "--slow-headers", "4"]
     argv += ["--cache-dir", str(tmp_path / "cache"), "--json", str(result_file)]
     # Its own session, so that whatever happens here, the script and the gateway it started
     # end with the test (a timeout that killed only the script once left its gateway running).
@@ -52,3 +54,6 @@ def test_a_short_soak_with_hostile_requests_and_an_engine_kill_passes(tmp_path: 
     assert len(kinds) >= 40, (len(kinds), report)  # the whole corpus went round at least once
     assert len(result["swaps"]) >= 5, report
     assert "pong" in result["adapters_after"] and "fox" in result["adapters_after"], report
+    attack = result["attack"]
+    assert attack["probes"] > 100 and not attack["probe_failures"], report
+    assert len(attack["lifetimes"]["idle"]) > 128 and attack["lifetimes"]["slow_header"], report
