@@ -120,3 +120,25 @@ def test_a_stream_the_engine_stops_feeding_ends_with_a_timeout_event(tmp_path: P
     assert orjson.loads(events[0])["error"]["code"] == "engine_timeout"
     assert events[-1] == "[DONE]"
     assert "stalled" in engine.aborted
+
+
+def test_a_client_that_hangs_up_on_a_passthrough_generation_has_it_aborted(
+    tmp_path: Path,
+) -> None:
+    # /v1/responses is one of the engine routes passed through (routes/passthrough.py), and a
+    # plain Responses request generates its whole answer before anything is sent back.
+    engine = FakeEngine(api_key=None, models=["base"], token_interval=0.05)
+    with fake_engine(engine) as engine_url:
+        app = gateway_app(tmp_path, ProxiedBackend(engine_url, ["base"]))
+        with serving(app, as_served=True) as url:
+            with connection(url) as (sock, _):
+                body = orjson.dumps({"model": "base", "input": "hi", "max_tokens": 100})
+                headers = {"X-Request-ID": "left-responses"}
+                sock.sendall(raw_request("POST", "/v1/responses", body, headers))
+                wait_for(lambda: engine.requests == 1)
+                assert engine.requests == 1
+                time.sleep(0.2)
+            left = time.monotonic()
+            wait_for(lambda: "left-responses" in engine.aborted)
+            assert time.monotonic() - left < 1.0, "the engine went on generating"
+            assert engine.aborted["left-responses"] < 100

@@ -156,6 +156,8 @@ class _Request(asyncio.Protocol):
             return _response(200, b"Success: LoRA adapter removed successfully.", b"text/plain")
         if path in (b"/v1/chat/completions", b"/v1/completions"):
             return self.complete(body, chat=path == b"/v1/chat/completions")
+        if path == b"/v1/responses":  # a generation too, answered in the chat shape
+            return self.complete(body, chat=True)
         return _response(404, b'{"detail":"Not Found"}')
 
     def served(self) -> list[str]:

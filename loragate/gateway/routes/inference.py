@@ -6,7 +6,7 @@ serve``, straight from uvicorn's connections (``hot_protocol``, the one module t
 uvicorn's internals); on any other ASGI server (or with CORS on), through the router as
 plain Starlette routes (FastAPI's dependency solving would cost a fifth of the gateway's time
 for nothing). Errors keep their OpenAI shape both ways. A client that leaves before its answer
-cancels it both ways too (here: ``_unless_client_leaves``), which stops the engine's generation.
+cancels it both ways too (here: ``unless_client_leaves``), which stops the engine's generation.
 """
 
 from __future__ import annotations
@@ -159,13 +159,13 @@ def _asgi_route(endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
         gateway: Gateway = request.app.state.gateway
         request_id = admit(gateway, request)
         payload = await read_json_object(request, gateway.settings.max_body_bytes)
-        return await _unless_client_leaves(request.receive, endpoint(gateway, request_id, payload))
+        return await unless_client_leaves(request.receive, endpoint(gateway, request_id, payload))
 
     route.__name__ = endpoint.__name__
     return route
 
 
-async def _unless_client_leaves(receive: Receive, answer: Awaitable[Response]) -> Response:
+async def unless_client_leaves(receive: Receive, answer: Awaitable[Response]) -> Response:
     """``answer``, cancelled if the client disconnects first (what the hot path's
     ``connection_lost`` does): the cancel cuts the engine connection, so the engine aborts the
     generation, and ends the adapter lease. Then a 499 nobody reads is what is returned (for

@@ -34,7 +34,7 @@ from loragate.gateway.requests.body import check_declared_length, read_json_obje
 from loragate.gateway.requests.content_parts import check_forwarded_media
 from loragate.gateway.requests.responses import check_responses_request
 from loragate.gateway.routes.engine_allow_list import ENGINE_ROUTES, EngineRoute
-from loragate.gateway.routes.inference import admit, target_model
+from loragate.gateway.routes.inference import admit, target_model, unless_client_leaves
 from loragate.gateway.runtime import Gateway
 
 router = APIRouter()
@@ -75,7 +75,8 @@ async def _json_route(gateway: Gateway, route: EngineRoute, request: Request) ->
     model = target_model(gateway, payload)
     stream = route.streams and payload.get("stream") is True
     _observe(model, stream)
-    return await gateway.backend.forward(route.path, payload, model, stream, request_id)
+    forwarding = gateway.backend.forward(route.path, payload, model, stream, request_id)
+    return await unless_client_leaves(request.receive, forwarding)
 
 
 async def _plain_route(gateway: Gateway, route: EngineRoute, request: Request) -> Response:
@@ -92,7 +93,7 @@ async def _plain_route(gateway: Gateway, route: EngineRoute, request: Request) -
     stream = route.streams and query.get("stream") == "true"
     _observe(None, stream)
     call = EngineCall(request.method, path, _no_body, None, None, stream, request_id)
-    return await _relaying(gateway, route).relay(call)
+    return await unless_client_leaves(request.receive, _relaying(gateway, route).relay(call))
 
 
 async def _upload_route(gateway: Gateway, route: EngineRoute, request: Request) -> Response:
@@ -127,7 +128,7 @@ async def _upload_route(gateway: Gateway, route: EngineRoute, request: Request) 
         stream,
         request_id,
     )
-    return await _relaying(gateway, route).relay(call)
+    return await unless_client_leaves(request.receive, _relaying(gateway, route).relay(call))
 
 
 # ----- the pieces -----------------------------------------------------------------------------
