@@ -21,7 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loragate.adapters.gguf_model import INFO_FILENAME, USER_ERROR_EXIT, USER_ERROR_PREFIX
+from loragate.adapters.gguf_model import (
+    INFO_FILENAME,
+    PROGRESS_PREFIX,
+    USER_ERROR_EXIT,
+    USER_ERROR_PREFIX,
+)
 
 INSTALL_HINT = "install loragate's convert extra into it (pip install 'loragate[convert]')"
 # Stored as floats in GGUF, so nothing to dequantize; everything else needs gguf.quants.
@@ -52,6 +57,7 @@ def dequantize(src: Path, out: Path) -> dict[str, Any]:
         ) from None
 
     _reuse_gguf_parsing()
+    _count_tensors(info["tensor_count"])
     try:
         loaded = AutoModelForCausalLM.from_pretrained(
             src.parent, gguf_file=src.name, dtype=torch.float32
@@ -95,6 +101,7 @@ def dequantize(src: Path, out: Path) -> dict[str, Any]:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     info.pop("chat_template", None)
+    info.pop("tensor_count", None)
     info.update(
         {
             "has_chat_template": tokenizer.chat_template is not None,
@@ -139,7 +146,36 @@ def inspect_gguf(src: Path) -> dict[str, Any]:
         "name": _string_field(reader, "general.name"),
         "tensor_types": types,
         "chat_template": _string_field(reader, "tokenizer.chat_template"),
+        "tensor_count": len(reader.tensors),
     }
+
+
+def _count_tensors(total: int) -> None:
+    """Print ``PROGRESS_PREFIX done/total`` on stdout as each tensor is dequantized.
+
+    transformers dequantizes tensor by tensor with ``gguf.dequantize``, imported from gguf
+    when the weights are read, so wrapping it here counts them; the parent reads the lines
+    into the start's progress record (``gguf_model.run_dequantizer``). A line at most once
+    per percent: a 7B model has some 300 tensors, a large one thousands.
+    """
+    import gguf
+
+    plain = getattr(gguf, "_loragate_dequantize", None) or gguf.dequantize
+    done = 0
+    shown = -1
+
+    def dequantize(data: Any, qtype: Any) -> Any:
+        nonlocal done, shown
+        result = plain(data, qtype)
+        done += 1
+        percent = 100 * done // max(total, 1)
+        if percent != shown or done == total:
+            shown = percent
+            print(f"{PROGRESS_PREFIX}{done}/{total}", flush=True)
+        return result
+
+    setattr(gguf, "_loragate_dequantize", plain)  # noqa: B010
+    setattr(gguf, "dequantize", dequantize)  # noqa: B010
 
 
 def _reuse_gguf_parsing() -> None:

@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -40,8 +41,15 @@ from loragate.adapters.model_cache import (
     hub_cache_holding,
     offline,
 )
+from loragate.adapters.progress import (
+    WaitProgress,
+    current_progress,
+    hub_progress_class,
+    report_stage,
+    report_steps,
+)
 from loragate.adapters.sources.fetched import SourceError
-from loragate.adapters.sources.hub import hf_progress_class, hf_token, parse_hf_source
+from loragate.adapters.sources.hub import hf_token, parse_hf_source
 from loragate.model_names import gguf_served_name as gguf_served_name
 from loragate.model_names import is_gguf_source as is_gguf_source
 
@@ -56,6 +64,8 @@ DEQUANTIZER_MODULE = "loragate.adapters.dequantize_gguf"
 # The dequantizer exits with this code after printing one line meant for the user.
 USER_ERROR_EXIT = 2
 USER_ERROR_PREFIX = "loragate-gguf-error: "
+# ... and one line per step of the dequantization on stdout: ``PREFIX done/total`` tensors.
+PROGRESS_PREFIX = "loragate-gguf-progress: "
 _HASH_CHUNK = 4 << 20
 
 
@@ -87,6 +97,7 @@ def resolve_gguf_model(
         tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}-", dir=root))
         try:
             log.info("dequantizing %s (%s) into %s, once", source, gguf_file, out)
+            report_stage("dequantization")
             run_dequantizer(gguf_file, tmp, python=python, quiet=not progress)
             _record_source(tmp, source, gguf_file, digest)
             if out.exists():  # a directory left without its info file: not ours to trust
@@ -155,26 +166,50 @@ def gguf_digest(path: Path, cache_dir: Path) -> str:
 def run_dequantizer(
     gguf_file: Path, out: Path, *, python: str | None = None, quiet: bool = False
 ) -> None:
-    """Run the dequantizer child; its user-facing error becomes a ``BaseModelError``."""
+    """Run the dequantizer child; its user-facing error becomes a ``BaseModelError``.
+
+    Its progress lines (``PROGRESS_PREFIX``) feed the current progress record's steps; its
+    other output is echoed unless ``quiet``. stderr is read by a thread meanwhile, so that a
+    child writing much there never blocks on a full pipe.
+    """
     from loragate.supervisor.parent_death import set_parent_death_signal
 
-    proc = subprocess.run(
+    record = current_progress.get()
+    with subprocess.Popen(
         [python or sys.executable, "-m", DEQUANTIZER_MODULE, str(gguf_file), str(out)],
-        stdout=subprocess.DEVNULL if quiet else None,
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         errors="replace",
         preexec_fn=set_parent_death_signal,
-        check=False,
-    )
-    if proc.returncode == 0:
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        stderr: list[str] = []
+        reader = threading.Thread(target=lambda: stderr.extend(proc.stderr or ()), daemon=True)
+        reader.start()
+        for line in proc.stdout:
+            _follow_output(line, record, quiet)
+        reader.join()
+        returncode = proc.wait()
+    if returncode == 0:
         return
-    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    lines = [line.strip() for line in stderr if line.strip()]
     told = [line[len(USER_ERROR_PREFIX) :] for line in lines if line.startswith(USER_ERROR_PREFIX)]
     if told:
         raise BaseModelError(told[-1])
-    last = lines[-1] if lines else f"exit code {proc.returncode}"
+    last = lines[-1] if lines else f"exit code {returncode}"
     raise BaseModelError(f"could not dequantize {gguf_file}: {last}")
+
+
+def _follow_output(line: str, record: WaitProgress | None, quiet: bool) -> None:
+    if line.startswith(PROGRESS_PREFIX):
+        done, _, total = line[len(PROGRESS_PREFIX) :].strip().partition("/")
+        if done.isdigit() and total.isdigit():
+            report_steps(int(done), int(total), record)
+            return
+    if not quiet:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def _is_complete(out: Path) -> bool:
@@ -255,13 +290,14 @@ def _hub_file(source: str, cache_dir: Path, progress: bool, revision: str | None
                 f"`gateway pull {source}` with network access first"
             ) from None
     try:
+        report_stage("download")
         path = hf_hub_download(
             repo,
             filename,
             revision=rev,
             cache_dir=hub_cache,
             token=hf_token(),
-            tqdm_class=hf_progress_class(progress),
+            tqdm_class=hub_progress_class(),
         )
     except Exception as exc:  # the hub raises many kinds: auth, not found, network
         raise BaseModelError(f"cannot download {source} from Hugging Face: {exc}") from exc

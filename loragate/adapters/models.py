@@ -14,7 +14,12 @@ from loragate.adapters.model_cache import (
     hub_cache_holding,
     offline,
 )
-from loragate.adapters.sources.hub import hf_progress_class, hf_token
+from loragate.adapters.progress import hub_progress_class, report_stage
+from loragate.adapters.sources.hub import check_hub_endpoint, hf_token
+
+# Never fetched for a base model, as vLLM's own downloader (LoadConfig.ignore_patterns):
+# Meta's original checkpoint, a second copy of the weights for another runtime.
+ALWAYS_IGNORED = ["original/*", "*.pth"]
 
 
 def _looks_like_path(model: str) -> bool:
@@ -76,18 +81,48 @@ def resolve_base_model(
                 f" and HF_HUB_OFFLINE is set; run `gateway pull {model}` with network access first"
             ) from None
     try:
+        check_hub_endpoint()
+        report_stage("download")
         path = snapshot_download(
             model,
             revision=revision,
             cache_dir=hub_cache,
             token=hf_token(),
-            tqdm_class=hf_progress_class(progress),
+            ignore_patterns=_ignore_patterns(model, revision),
+            tqdm_class=hub_progress_class(),
         )
     except Exception as exc:  # the hub raises many kinds: auth, not found, network
         raise BaseModelError(
             f"cannot download base model {model} from Hugging Face: {exc}"
         ) from exc
     return Path(path)
+
+
+def base_model_ignore_patterns(files: list[str]) -> list[str]:
+    """What not to download of a repository holding ``files``, the way vLLM picks weights:
+    safetensors when there are any (then no ``*.bin``/``*.pt`` duplicates), Hugging Face
+    shards over Mistral's ``consolidated*`` copy of the same weights when both are there, and
+    never ``original/`` nor ``*.pth`` (which vLLM does not load)."""
+    top = [name for name in files if "/" not in name]
+    ignored = list(ALWAYS_IGNORED)
+    safetensors = [name for name in top if name.endswith(".safetensors")]
+    if safetensors:
+        ignored += ["*.bin", "*.pt"]
+        if any(not name.startswith("consolidated") for name in safetensors):
+            ignored += ["consolidated*"]
+    return ignored
+
+
+def _ignore_patterns(model: str, revision: str | None) -> list[str]:
+    """``base_model_ignore_patterns`` of the repository's listing (one hub call), or the
+    patterns that hold for any repository when it cannot be listed."""
+    from huggingface_hub import HfApi
+
+    try:
+        files = HfApi().list_repo_files(model, revision=revision, token=hf_token())
+    except Exception:  # the download that follows reports the hub's trouble better
+        return list(ALWAYS_IGNORED)
+    return base_model_ignore_patterns(files)
 
 
 def read_base_config(model_dir: Path) -> dict[str, Any]:

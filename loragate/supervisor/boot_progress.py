@@ -1,5 +1,7 @@
 """How far a boot has come, from the engine's log, reported every ``BOOT_REPORT_SECONDS`` so a
-start-up of several minutes says what it is doing (in the log, and in /health)."""
+start-up of several minutes says what it is doing (in the log, in /health, and as the message
+of the gateway's start progress record in its ``boot`` stage, which systemd's ``STATUS=``
+shows)."""
 
 from __future__ import annotations
 

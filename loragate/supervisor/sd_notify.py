@@ -124,3 +124,36 @@ async def watchdog_loop(notifier: SystemdNotifier, is_healthy: Callable[[], bool
         if healthy:
             notifier.watchdog()
         await asyncio.sleep(interval)
+
+
+EXTEND_EVERY_SECONDS = 10.0  # how often a long start tells systemd what it is doing
+EXTEND_BY_SECONDS = 30.0  # ... and how far past now its start timeout moves each time
+
+
+async def extend_start_while(
+    notifier: SystemdNotifier,
+    describe: Callable[[], str | None],
+    every: float = EXTEND_EVERY_SECONDS,
+    extend_by: float = EXTEND_BY_SECONDS,
+) -> None:
+    """While ``describe()`` says what the start waits on (a download, a dequantization, the
+    engine's boot), send it as ``STATUS=`` with ``EXTEND_TIMEOUT_USEC=`` every ``every``
+    seconds; return once it says None (the gateway is ready, or gave up).
+
+    Each message moves systemd's start timeout to ``extend_by`` seconds from now, so the
+    unit's ``TimeoutStartSec=`` can stay modest: a first start that downloads 15 GB goes on
+    while it makes progress, and one that hangs is still stopped soon after its last word.
+    Returns at once outside systemd.
+    """
+    if not notifier.enabled:
+        return
+    while True:
+        try:
+            text = describe()
+        except Exception:
+            logger.exception("describing the start for systemd failed")
+            text = "starting"
+        if text is None:
+            return
+        notifier.notify(status=text[:200], extend_timeout_usec=int(extend_by * 1_000_000))
+        await asyncio.sleep(every)

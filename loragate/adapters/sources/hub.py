@@ -1,6 +1,7 @@
 """``hf://ORG/REPO[@REV][/SUBDIR]`` sources: a Hugging Face repo, pinned to the commit it
-resolved to; its change marker is that commit. The hub helpers (token, progress bars) are
-shared with base-model and GGUF downloads."""
+resolved to; its change marker is that commit. The hub helpers (token, endpoint check) are
+shared with base-model and GGUF downloads; their bytes feed the current progress record
+(``loragate.adapters.progress.hub_progress_class``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
+from loragate.adapters.progress import hub_progress_class
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.sources.fetched import FetchedSource, SourceError, adapter_root
 
@@ -49,20 +50,6 @@ def check_hub_endpoint() -> None:
         raise SourceError(f"HF_ENDPOINT: {exc}") from exc
 
 
-def hf_progress_class(progress: bool) -> Any:
-    """A ``tqdm_class`` for ``snapshot_download``: None (the hub's bars) or a silent one."""
-    if progress:
-        return None
-    from tqdm.auto import tqdm
-
-    class Silent(tqdm):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-
-    return Silent
-
-
 def fetch_hf(
     source: str,
     dest: Path,
@@ -96,7 +83,7 @@ def fetch_hf(
                 cache_dir=hub_cache_holding(repo, cache_dir),
                 allow_patterns=[f"{sub}/**", f"{sub}/*"] if sub else None,
                 token=hf_token(),
-                tqdm_class=hf_progress_class(progress),
+                tqdm_class=hub_progress_class(),
             )
         )
     except LocalEntryNotFoundError as exc:

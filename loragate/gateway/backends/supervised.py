@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from loragate.adapters.fleet_reconciler import FleetReconciler
 from loragate.adapters.manager import AdapterError, AdapterManager
+from loragate.adapters.progress import WaitProgress, current_progress
 from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.stats import AdapterStats
 from loragate.adapters.wiring import adapter_manager_for
@@ -39,7 +40,7 @@ from loragate.supervisor.engine_client import EngineClient
 from loragate.supervisor.engine_command import EngineSpec
 from loragate.supervisor.pidfile import GatewayLock
 from loragate.supervisor.preflight_problem import PreflightError
-from loragate.supervisor.sd_notify import SystemdNotifier, watchdog_loop
+from loragate.supervisor.sd_notify import SystemdNotifier, extend_start_while, watchdog_loop
 from loragate.supervisor.snapshot import EngineSnapshot
 from loragate.supervisor.states import EngineState
 
@@ -76,6 +77,11 @@ class SupervisedEngineBackend:
         self._engine_env: dict[str, str] = {}
         self._notifier = SystemdNotifier()
         self._watchdog: asyncio.Task[None] | None = None
+        # How far the start has come (download, dequantization, boot): /health, STATUS=.
+        self.start_progress = WaitProgress(
+            name=self.base_name, source=settings.model or "", stage="prepare"
+        )
+        self._start_notes: asyncio.Task[None] | None = None
         self.supervisor.add_listener(self._tell_systemd)
 
     # ----- life cycle ---------------------------------------------------------------------
@@ -84,14 +90,18 @@ class SupervisedEngineBackend:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
         self._bootstrap_task = asyncio.create_task(self._bootstrap(), name="engine-bootstrap")
+        self._start_notes = asyncio.create_task(
+            extend_start_while(self._notifier, self.describe_start), name="start-notes"
+        )
         if self._notifier.watchdog_interval is not None:
             # The gateway's event loop answering is what systemd's watchdog checks.
             self._watchdog = asyncio.create_task(watchdog_loop(self._notifier, lambda: True))
 
     async def stop(self) -> None:
         self._notifier.stopping()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        for task in (self._watchdog, self._start_notes):
+            if task is not None:
+                task.cancel()
         if self._bootstrap_task is not None and not self._bootstrap_task.done():
             self._bootstrap_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -106,23 +116,44 @@ class SupervisedEngineBackend:
         self._lock.release()
 
     def _tell_systemd(self, state: EngineState, reason: str) -> None:
+        if state == EngineState.STARTING and self._prepared.is_set():
+            self.start_progress.enter("boot")
+        elif state == EngineState.READY:
+            self.start_progress.enter("done")
         self._notifier.status(f"engine {state}: {reason}"[:200])
         if state == EngineState.READY:
             self._notifier.ready()
 
+    def describe_start(self) -> str | None:
+        """What the start waits on, in one line (None once it is over); a boot's phase is
+        the supervisor's latest report."""
+        record = self.start_progress
+        if record.finished or self._prepare_error is not None:
+            return None
+        if record.stage == "boot":
+            record.message = self.supervisor.boot_progress or "engine starting"
+        return record.describe()
+
     async def _bootstrap(self) -> None:
+        # The model's download and dequantization report into this record (context variable).
+        current_progress.set(self.start_progress)
         try:
             await self._prepare()
         except PreflightError as exc:
             self._prepare_error = str(exc)
             log.error(self._prepare_error)
+            self.start_progress.error = self._prepare_error
+            self.start_progress.enter("failed")
             self._prepared.set()
             return
         except Exception as exc:
             self._prepare_error = f"could not prepare the model and adapters: {exc}"
             log.error(self._prepare_error)
+            self.start_progress.error = self._prepare_error
+            self.start_progress.enter("failed")
             self._prepared.set()
             return
+        self.start_progress.enter("boot")
         self._prepared.set()
         assert self.manager is not None
         self.supervisor.add_ready_hook(self.manager.on_engine_ready)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -16,6 +18,9 @@ router = APIRouter()
 async def health(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     ready, body = gateway.backend.health()
+    progress = _start_progress(gateway)
+    if not ready and progress is not None:
+        body = {**body, "progress": progress}
     # Its reason may quote the engine's output: its secrets or a terminal escape.
     return Response(
         orjson.dumps(loggable_in(body)),
@@ -23,6 +28,17 @@ async def health(request: Request) -> Response:
         media_type="application/json",
         headers={} if ready else {"Retry-After": "5"},
     )
+
+
+def _start_progress(gateway: Gateway) -> dict[str, Any] | None:
+    """The start's progress record (stage, bytes, percent, rate, description) while the
+    gateway downloads its base model, dequantizes a GGUF or boots the engine; only a
+    backend that starts its own engine has one."""
+    describe = getattr(gateway.backend, "describe_start", None)
+    if describe is None or describe() is None:
+        return None
+    record: dict[str, Any] = gateway.backend.start_progress.as_dict()  # type: ignore[attr-defined]
+    return record
 
 
 @router.get("/health/live")
