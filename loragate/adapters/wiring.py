@@ -1,12 +1,15 @@
 """The adapter layer for one base model, put together from the settings.
 
-The store and its manifest live under ``CACHE_DIR/adapters``; the manifest is per base model
-(a hash of its directory), so two models on one cache dir keep their adapters apart.
+The store (content-addressed: a cache) lives under ``CACHE_DIR/adapters``, the manifest (what
+was added at runtime: state) under ``STATE_DIR/adapters/manifests``, which is the cache dir's own
+path when no state dir is set. The manifest is per base model (a hash of its directory), so two
+models on one cache dir keep their adapters apart.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +17,31 @@ from loragate.adapters.manager import AdapterManager
 from loragate.adapters.manifest import Manifest
 from loragate.adapters.pipeline import AdapterPipeline
 from loragate.adapters.source_networks import allow_source_networks
-from loragate.adapters.store import AdapterStore
+from loragate.adapters.store import AdapterStore, write_atomic
 from loragate.settings import Settings
 from loragate.supervisor.engine import EngineSupervisor
 from loragate.supervisor.engine_client import EngineClient
+
+log = logging.getLogger("loragate.adapters")
+
+
+def manifest_path_for(state_dir: Path | None, cache_dir: Path, model_dir: Path) -> Path:
+    """Where ``model_dir``'s runtime manifest is kept: under the state dir (the cache dir when
+    none is set). A manifest that only the cache dir holds, as every loragate before the state
+    dir kept it, is moved over first, so a unit that gains a ``StateDirectory=`` keeps its
+    adapters."""
+    model_key = hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]
+    relative = Path("adapters") / "manifests" / f"{model_key}.json"
+    path = (state_dir or cache_dir).expanduser().absolute() / relative
+    old = cache_dir.expanduser().absolute() / relative
+    if old != path and old.is_file() and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Written whole before the old one goes (the two may be on different filesystems);
+        # owner-only, as Manifest.save writes it.
+        write_atomic(path, old.read_text(encoding="utf-8"), 0o600)
+        old.unlink()
+        log.info("moved the adapter manifest %s to the state dir: %s", old, path)
+    return path
 
 
 def adapter_manager_for(
@@ -36,8 +60,7 @@ def adapter_manager_for(
     allow_source_networks(settings.source_networks())
     adapters_root = cache_dir / "adapters"
     store = AdapterStore(adapters_root, max_bytes=settings.store_max_bytes)
-    model_key = hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]
-    manifest = Manifest(adapters_root / "manifests" / f"{model_key}.json").load()
+    manifest = Manifest(manifest_path_for(settings.state_dir, cache_dir, model_dir)).load()
     pipeline = AdapterPipeline(
         store=store,
         base_dir=model_dir,

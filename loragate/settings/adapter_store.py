@@ -4,16 +4,26 @@ downloads may reach."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import NoDecode
 
 from loragate.http.addresses import AllowedNetworks
+from loragate.paths import default_state_dir
 from loragate.settings.serve_option import serve_option
 
 
 class AdapterStoreFields(BaseModel):
+    state_dir: Path | None = Field(
+        default_factory=default_state_dir,
+        description=(
+            "The runtime adapter manifest (adapters added at runtime: state, not cache) "
+            "[default: $STATE_DIRECTORY under systemd, else the cache dir]."
+        ),
+        json_schema_extra=serve_option(),
+    )
     follow_interval: float = Field(default=30.0, gt=0)
     store_max_bytes: int | None = Field(default=None, ge=0)
     # A manifest cut short must not empty every replica at once: a pass that would remove
