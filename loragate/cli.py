@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -114,23 +113,33 @@ def systemd_unit(
     environment_file: Annotated[
         Path | None, typer.Option(help="EnvironmentFile= for LORAGATE_* settings.")
     ] = None,
+    run_as: Annotated[
+        str,
+        typer.Option(
+            metavar="USER",
+            help="User= and Group= of a system unit: a dedicated account (README: "
+            "`useradd --system`), never root.",
+        ),
+    ] = "loragate",
 ) -> None:
-    """Print a Type=notify systemd unit that runs `gateway serve` from this install."""
+    """Print a sandboxed Type=notify systemd unit that runs `gateway serve` from this install,
+    with its state in /var/lib/loragate and its cache in /var/cache/loragate."""
     from loragate.supervisor.systemd_unit import default_exec_start, render_unit
 
     env_file = environment_file or (
         Path("~/.config/loragate/env").expanduser() if user_mode else Path("/etc/loragate/env")
     )
-    typer.echo(
-        render_unit(
+    try:
+        unit = render_unit(
             exec_start=default_exec_start(),
-            working_directory=Path.cwd(),
-            user=None if user_mode else os.environ.get("SUDO_USER") or os.environ.get("USER"),
+            user=None if user_mode else run_as,
             environment_file=env_file,
             user_mode=user_mode,
-        ),
-        nl=False,
-    )
+        )
+    except ValueError as exc:
+        fail(str(exc))
+        return
+    typer.echo(unit, nl=False)
 
 
 def main() -> None:

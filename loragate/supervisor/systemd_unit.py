@@ -47,45 +47,116 @@ def _single_line(name: str, value: str) -> str:
     return _escape_specifiers(value)
 
 
+# Directories systemd creates for the service (owned by its User=) and names in
+# $STATE_DIRECTORY and $CACHE_DIRECTORY, which loragate takes as its state dir (the runtime
+# adapter manifest) and its cache dir (adapter store, models, logs): loragate.paths.
+SERVICE_DIRECTORY = "loragate"
+
+# The executable under one of these is out of reach with ProtectHome=yes.
+_HOME_TREES = (Path("/home"), Path("/root"), Path("/run/user"))
+
+# A system service's sandbox: what `systemd-analyze security` scores, each line one that vLLM
+# runs under. Left out on purpose: PrivateDevices= (it hides /dev/nvidia* and /dev/dri, the
+# GPUs), ProtectClock= and DeviceAllow= (either one closes the device list to the GPUs),
+# MemoryDenyWriteExecute= (torch's and Triton's JIT compilers map memory writable and
+# executable), ProcSubset=pid (vLLM reads /proc/meminfo and /proc/cpuinfo), an allow-list
+# SystemCallFilter= (CUDA and NCCL need calls outside @system-service; NCCL uses pidfd_getfd,
+# so @debug stays allowed too) and PrivateUsers= (it unmaps the video and render groups that
+# may own the GPU devices).
+_SANDBOX = [
+    "NoNewPrivileges=yes",
+    "ProtectSystem=strict",  # all read-only but /dev, /proc, /sys and the directories above
+    "PrivateTmp=yes",
+    "ProtectKernelTunables=yes",
+    "ProtectKernelModules=yes",
+    "ProtectKernelLogs=yes",
+    "ProtectControlGroups=yes",
+    "ProtectHostname=yes",
+    "ProtectProc=invisible",
+    "RestrictSUIDSGID=yes",
+    "RestrictRealtime=yes",
+    "RestrictNamespaces=yes",
+    "PrivateMounts=yes",
+    "LockPersonality=yes",
+    "RemoveIPC=yes",
+    "SystemCallArchitectures=native",
+    # Calls an inference server never makes; refused with EPERM rather than a kill.
+    "SystemCallFilter=~@clock @cpu-emulation @module @mount @obsolete @raw-io @reboot @swap",
+    "SystemCallErrorNumber=EPERM",
+    "CapabilityBoundingSet=",
+    "AmbientCapabilities=",
+    # AF_NETLINK: the interface queries of torch.distributed and NCCL.
+    "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK",
+    "UMask=0027",
+]
+
+
 def render_unit(
     *,
     exec_start: list[str],
-    working_directory: Path,
+    working_directory: Path | None = None,
     user: str | None,
     environment_file: Path | None,
     user_mode: bool,
 ) -> str:
     """The text of a ``loragate.service`` unit.
 
+    A system unit runs as ``user`` (and the group of that name) in the sandbox above, with its
+    state in ``/var/lib/loragate`` and its cache in ``/var/cache/loragate``; its working
+    directory is the state directory unless ``working_directory`` says otherwise.
     ``user_mode`` renders a unit for ``systemctl --user``: no ``User=``, no dependency on the
-    system's ``network-online.target`` (a user manager cannot order against it), and
-    ``WantedBy=default.target``. Raises ValueError for settings systemd would reject.
+    system's ``network-online.target`` (a user manager cannot order against it), no sandbox
+    but ``NoNewPrivileges=`` (the rest needs user namespaces there), its directories under
+    ``~/.local/state`` and ``~/.cache``, and ``WantedBy=default.target``. Raises ValueError
+    for settings systemd would reject.
     """
     if not exec_start:
         raise ValueError("exec_start is empty: give the command that runs `gateway serve`")
-    if not Path(exec_start[0]).is_absolute():
+    executable = Path(exec_start[0])
+    if not executable.is_absolute():
         raise ValueError(f"ExecStart needs an absolute executable path, not {exec_start[0]!r}")
     if user_mode and user is not None:
         raise ValueError("User= has no meaning in a user unit: drop the user or the user mode")
+    if user in ("root", "0"):
+        raise ValueError(
+            "a system unit runs as a dedicated user, not root: create one (useradd --system "
+            "--user-group --home-dir /var/lib/loragate loragate) and name it"
+        )
 
     unit = ["[Unit]", "Description=loragate: LoRA gateway in front of a supervised vLLM engine"]
     if not user_mode:
         unit += ["After=network-online.target", "Wants=network-online.target"]
 
+    if working_directory is None:
+        workdir = f"%S/{SERVICE_DIRECTORY}"  # %S: /var/lib, or ~/.local/state for --user
+    else:
+        workdir = _single_line("WorkingDirectory", str(working_directory.absolute()))
     service = [
         "[Service]",
         "Type=notify",
         # Only the gateway itself may report readiness; the engine inherits NOTIFY_SOCKET.
         "NotifyAccess=main",
         "ExecStart=" + " ".join(quote_exec_arg(arg) for arg in exec_start),
-        "WorkingDirectory=" + _single_line("WorkingDirectory", str(working_directory.absolute())),
     ]
     if environment_file is not None:
         path = _single_line("EnvironmentFile", str(environment_file.absolute()))
         # The leading '-' lets the unit start when the file does not exist (yet).
         service.append(f"EnvironmentFile=-{path}")
     if user is not None:
-        service.append("User=" + _single_line("User", user))
+        name = _single_line("User", user)
+        service += [f"User={name}", f"Group={name}"]
+    service += [
+        f"StateDirectory={SERVICE_DIRECTORY}",
+        f"CacheDirectory={SERVICE_DIRECTORY}",
+        f"WorkingDirectory={workdir}",
+    ]
+    if not user_mode:
+        # A home the sandbox lets it write (Triton's and vLLM's own caches live under it), and
+        # Hugging Face downloads (base models, hf:// adapters) in the cache directory.
+        service += [
+            f"Environment=HOME=%S/{SERVICE_DIRECTORY}",
+            f"Environment=HF_HOME=%C/{SERVICE_DIRECTORY}/huggingface",
+        ]
     service += [
         "Restart=on-failure",
         "RestartSec=5",
@@ -97,6 +168,12 @@ def render_unit(
         "KillSignal=SIGTERM",
         "LimitNOFILE=65536",
     ]
+    if user_mode:
+        service.append("NoNewPrivileges=yes")
+    else:
+        in_home = any(executable.is_relative_to(tree) for tree in _HOME_TREES)
+        # An install under a home directory must stay readable; elsewhere homes are hidden.
+        service += ["ProtectHome=" + ("read-only" if in_home else "yes"), *_SANDBOX]
     install = ["[Install]", "WantedBy=" + ("default.target" if user_mode else "multi-user.target")]
     return "\n".join([*unit, "", *service, "", *install]) + "\n"
 

@@ -1,13 +1,16 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from loragate.cli import app as cli_app
 from loragate.supervisor.systemd_unit import default_exec_start, quote_exec_arg, render_unit
 
 
@@ -26,7 +29,7 @@ def system_unit(
 ) -> str:
     return render_unit(
         exec_start=exec_start or ["/opt/loragate/bin/gateway", "serve"],
-        working_directory=working_directory or tmp_path,
+        working_directory=working_directory,
         user=user,
         environment_file=environment_file,
         user_mode=user_mode,
@@ -43,9 +46,12 @@ def test_system_unit_is_type_notify_with_watchdog_and_mixed_kill(tmp_path: Path)
         "Type=notify",
         "NotifyAccess=main",
         "ExecStart=/opt/loragate/bin/gateway serve",
-        f"WorkingDirectory={tmp_path}",
+        "WorkingDirectory=%S/loragate",
         "EnvironmentFile=-/etc/loragate/loragate.env",
         "User=loragate",
+        "Group=loragate",
+        "StateDirectory=loragate",
+        "CacheDirectory=loragate",
         "Restart=on-failure",
         "RestartSec=5",
         "TimeoutStartSec=900",
@@ -169,8 +175,7 @@ def _verify(unit_text: str, tmp_path: Path, *, user_mode: bool) -> subprocess.Co
 def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path, user_mode: bool) -> None:
     unit = render_unit(
         exec_start=[*default_exec_start(), "--model", "/models/my model"],
-        working_directory=tmp_path,
-        user=None,
+        user=None if user_mode else "loragate",
         environment_file=tmp_path / "missing.env",
         user_mode=user_mode,
     )
@@ -178,3 +183,116 @@ def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path, user_mode: bool
     complaints = [line for line in result.stderr.splitlines() if "loragate-test" in line]
     assert result.returncode == 0, result.stderr
     assert complaints == []
+
+
+# ----- the sandbox ---------------------------------------------------------------------------
+
+SANDBOX = [
+    "NoNewPrivileges=yes",
+    "ProtectSystem=strict",
+    "ProtectHome=yes",
+    "PrivateTmp=yes",
+    "ProtectKernelTunables=yes",
+    "ProtectKernelModules=yes",
+    "ProtectControlGroups=yes",
+    "RestrictSUIDSGID=yes",
+    "LockPersonality=yes",
+    "RestrictRealtime=yes",
+    "SystemCallArchitectures=native",
+    "CapabilityBoundingSet=",
+    "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK",
+]
+# Each would break vLLM on a GPU: the devices hidden or closed, JIT compilers refused.
+BREAKS_VLLM = ["PrivateDevices", "DeviceAllow", "ProtectClock", "MemoryDenyWriteExecute"]
+
+
+def settings_of(text: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for line in unit_lines(text):
+        if "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            found.setdefault(key, []).append(value)
+    return found
+
+
+def test_system_unit_runs_sandboxed_but_keeps_the_gpus_and_the_jit(tmp_path: Path) -> None:
+    text = system_unit(tmp_path)
+    lines = unit_lines(text)
+    missing = [line for line in SANDBOX if line not in lines]
+    assert not missing, f"the system unit lacks {missing}"
+    present = [key for key in BREAKS_VLLM if key in settings_of(text)]
+    assert not present, f"these break vLLM on a GPU: {present}"
+
+
+def test_system_unit_keeps_its_files_in_its_own_state_and_cache_directories(
+    tmp_path: Path,
+) -> None:
+    lines = unit_lines(system_unit(tmp_path))
+    assert "StateDirectory=loragate" in lines
+    assert "CacheDirectory=loragate" in lines
+    assert "WorkingDirectory=%S/loragate" in lines
+    # A home and the Hugging Face cache the sandbox lets it write, whatever the account's home.
+    assert "Environment=HOME=%S/loragate" in lines
+    assert "Environment=HF_HOME=%C/loragate/huggingface" in lines
+
+
+def test_an_install_under_a_home_directory_stays_readable(tmp_path: Path) -> None:
+    text = system_unit(tmp_path, exec_start=["/home/alice/loragate/.venv/bin/gateway", "serve"])
+    assert settings_of(text)["ProtectHome"] == ["read-only"]
+
+
+@pytest.mark.parametrize("user", ["root", "0"])
+def test_a_system_unit_as_root_is_refused(tmp_path: Path, user: str) -> None:
+    with pytest.raises(ValueError, match="dedicated user"):
+        system_unit(tmp_path, user=user)
+
+
+def test_user_unit_has_its_directories_and_no_privileges_but_no_sandbox(tmp_path: Path) -> None:
+    text = system_unit(tmp_path, user=None, user_mode=True)
+    lines = unit_lines(text)
+    for line in ["StateDirectory=loragate", "CacheDirectory=loragate", "NoNewPrivileges=yes"]:
+        assert line in lines
+    # In a user manager the mount sandbox needs user namespaces; HF_HOME stays the user's.
+    assert "ProtectSystem" not in settings_of(text)
+    assert "Environment" not in settings_of(text)
+
+
+def test_the_systemd_unit_command_prints_a_unit_for_a_dedicated_user(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SUDO_USER", "alice")
+    result = CliRunner().invoke(cli_app, ["systemd-unit"])
+    assert result.exit_code == 0, result.output
+    lines = unit_lines(result.output)
+    assert "User=loragate" in lines and "Group=loragate" in lines
+    assert "WorkingDirectory=%S/loragate" in lines
+    assert str(tmp_path) not in result.output, "nothing comes from the generating shell"
+
+    named = CliRunner().invoke(cli_app, ["systemd-unit", "--run-as", "llm"])
+    assert "User=llm" in unit_lines(named.output)
+    refused = CliRunner().invoke(cli_app, ["systemd-unit", "--run-as", "root"])
+    assert refused.exit_code == 2
+    assert "dedicated user" in refused.output
+
+
+def test_systemd_analyze_security_rates_the_system_unit_ok(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    unit_file = tmp_path / "loragate-test.service"
+    unit_file.write_text(system_unit(tmp_path, exec_start=default_exec_start()))
+    result = subprocess.run(
+        [analyze, "security", "--offline=true", "--no-pager", str(unit_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    found = re.search(r"Overall exposure level for \S+: ([0-9.]+) (\w+)", result.stdout)
+    if found is None and "offline" in result.stderr:
+        pytest.skip(f"this systemd-analyze cannot review a unit file: {result.stderr.strip()}")
+    assert found is not None, result.stdout + result.stderr
+    score, rating = float(found[1]), found[2]
+    print(f"systemd-analyze security: exposure {score} {rating}")
+    # systemd rates below 5.0 OK, 5.0-7.0 MEDIUM, above UNSAFE; 10 is no sandbox at all.
+    assert score < 5.0, result.stdout
