@@ -341,3 +341,97 @@ def test_the_grace_period_covers_prestop_drain_and_engine_stop() -> None:
     needed = prestop_seconds() + setting("drain_timeout") + setting("stop_timeout")
     assert prestop_seconds() >= 5, "endpoints need a few seconds to drop the pod"
     assert grace >= needed, f"terminationGracePeriodSeconds {grace} < {needed}"
+
+
+# ----- the security review -------------------------------------------------------------------
+
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+
+
+def pod_specs() -> list[tuple[str, dict[str, Any]]]:
+    """Every pod template the manifests hold, by the name of the resource that holds it."""
+    found = []
+    for doc in resources():
+        template = doc.get("spec", {}).get("template", {})
+        if "spec" in template:
+            found.append((f"{doc['kind']}/{doc['metadata']['name']}", template["spec"]))
+    return found
+
+
+def effective_security(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, Any]:
+    """The container's securityContext as the kubelet applies it: its own fields over the
+    pod's (the fields both have)."""
+    return {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+
+
+def test_every_pod_and_container_runs_unprivileged() -> None:
+    assert pod_specs(), "no pod template found"
+    for where, pod in pod_specs():
+        assert "securityContext" in pod, f"{where}: the pod sets no securityContext"
+        for container in pod["containers"] + pod.get("initContainers", []):
+            name = f"{where}: container {container['name']}"
+            assert "securityContext" in container, f"{name} sets no securityContext"
+            context = effective_security(pod, container)
+            assert context.get("runAsNonRoot") is True, name
+            assert isinstance(context.get("runAsUser"), int) and context["runAsUser"] > 0, name
+            assert context.get("allowPrivilegeEscalation") is False, name
+            assert context.get("readOnlyRootFilesystem") is True, name
+            assert "ALL" in context.get("capabilities", {}).get("drop", []), name
+            assert context.get("seccompProfile", {}).get("type") == "RuntimeDefault", name
+            assert not context.get("privileged"), name
+
+
+def test_the_image_runs_as_the_user_the_pod_names() -> None:
+    text = DOCKERFILE.read_text()
+    users = re.findall(r"^USER\s+(\S+)", text, re.MULTILINE)
+    assert users, "the image runs as root"
+    uid, _, gid = users[-1].partition(":")
+    context = pod_spec()["securityContext"]
+    # Numeric, so that the kubelet can check runAsNonRoot against the image itself.
+    assert uid == str(context["runAsUser"]) and gid == str(context["runAsGroup"])
+    assert re.search(rf"useradd\b[^\n]*--uid {uid}\b", text), "the uid has no passwd entry"
+
+
+def image_home() -> str:
+    (home,) = re.findall(r"^ENV\s+HOME=(\S+)", DOCKERFILE.read_text(), re.MULTILINE)
+    return home
+
+
+def sized_volume(path: str) -> dict[str, Any]:
+    volume, _ = mounted_volume(path)
+    mount = [m for m in gateway_container()["volumeMounts"] if m["name"] == volume["name"]]
+    assert not any(m.get("readOnly") for m in mount), f"{path} is mounted read-only"
+    if "persistentVolumeClaim" in volume:
+        return volume
+    assert "emptyDir" in volume, f"{path} is on neither an emptyDir nor a PVC: {volume}"
+    assert volume["emptyDir"].get("sizeLimit"), f"{path}'s emptyDir has no sizeLimit"
+    return volume
+
+
+def test_every_path_the_gateway_writes_is_a_sized_writable_volume() -> None:
+    """With a read-only root filesystem, each place the gateway, vLLM and the Hugging Face
+    hub write must be a volume; sized, so that a download cannot fill the node's disk."""
+    hf_home = env_value("HF_HOME")
+    assert hf_home, "HF_HOME is unset: hub downloads would land in the image's home"
+    for path in [arg_value("--cache-dir"), hf_home, image_home(), "/tmp", "/dev/shm"]:
+        sized_volume(path)
+    assert mounted_volume(hf_home)[0]["name"] != mounted_volume(image_home())[0]["name"]
+
+
+def test_the_pod_tolerates_gpu_nodes_and_asks_for_its_gpu() -> None:
+    pod = pod_spec()
+    tolerations = pod.get("tolerations", [])
+    assert any(
+        t["key"] == "nvidia.com/gpu" and t.get("operator") == "Exists" for t in tolerations
+    ), "no toleration for the nvidia.com/gpu taint"
+    resources = gateway_container()["resources"]
+    # An extended resource: the request, when given, must equal the limit.
+    assert resources["limits"]["nvidia.com/gpu"] >= 1
+    assert (
+        resources["requests"].get("nvidia.com/gpu", resources["limits"]["nvidia.com/gpu"])
+        == (resources["limits"]["nvidia.com/gpu"])
+    )
+    affinity = pod["affinity"]["nodeAffinity"]
+    terms = affinity.get("preferredDuringSchedulingIgnoredDuringExecution", [])
+    keys = [e["key"] for t in terms for e in t["preference"]["matchExpressions"]]
+    assert any(key.startswith("nvidia.com/gpu.") for key in keys), keys
