@@ -19,7 +19,7 @@ from loragate.cli_admin import (
     UrlOption,
     admin_request,
 )
-from loragate.cli_errors import fail
+from loragate.cli_errors import FAILURE, fail
 from loragate.cli_serve import ServeCommand, serve
 
 HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
@@ -87,7 +87,7 @@ def pull(
             python=engine_python,
         )
     except Exception as exc:
-        fail(str(exc))
+        fail(str(exc), FAILURE)
         return
     typer.echo(f"{model} is cached at {path}")
 
@@ -140,6 +140,15 @@ def systemd_unit(
         fail(str(exc))
         return
     typer.echo(unit, nl=False)
+
+
+@app.command("config-schema")
+def config_schema() -> None:
+    """Print the JSON schema of `gateway serve`'s config file (TOML or YAML), for editors
+    and CI: every setting, its type, limits and default; unknown keys refused."""
+    from loragate.settings import config_schema as schema
+
+    typer.echo(json.dumps(schema(), indent=2))
 
 
 def main() -> None:

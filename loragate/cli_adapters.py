@@ -16,7 +16,7 @@ from loragate.cli_admin import (
     admin_request,
     local_admin_token,
 )
-from loragate.cli_errors import fail
+from loragate.cli_errors import FAILURE, fail
 
 adapters_app = typer.Typer(
     help="Manage the adapters of a running gateway (admin API).", no_args_is_help=True
@@ -139,5 +139,5 @@ def adapters_convert(
     try:
         convert_command(source, out, base, cache_dir or default_cache_dir())
     except (ValueError, OSError) as exc:
-        fail(str(exc))
+        fail(str(exc), FAILURE)
     typer.echo(f"wrote a PEFT adapter to {out}")

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from loragate.cli_errors import fail
+from loragate.cli_errors import FAILURE, fail
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 UrlOption = Annotated[
@@ -52,7 +52,7 @@ def admin_request(
         with httpx.Client(timeout=None, trust_env=False) as client:
             response = client.request(method, url.rstrip("/") + path, json=body, headers=headers)
     except httpx.HTTPError as exc:
-        fail(f"cannot reach the gateway at {url}: {exc}")
+        fail(f"cannot reach the gateway at {url}: {exc}", FAILURE)
     try:
         payload = response.json()
     except ValueError:
@@ -60,7 +60,7 @@ def admin_request(
     if response.status_code >= 400:
         error = payload.get("error", payload) if isinstance(payload, dict) else payload
         message = error.get("message", error) if isinstance(error, dict) else error
-        fail(f"{response.status_code}: {message}")
+        fail(f"{response.status_code}: {message}", FAILURE)
     return payload
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand
 
-from loragate.cli_errors import fail
+from loragate.cli_errors import FAILURE, USAGE, fail, fail_each, warn
 from loragate.cli_options import given_values, serve_parameters
 
 
@@ -42,17 +42,22 @@ def serve(
 ) -> None:
     """Start the engine and the gateway. Arguments after `--` go to the engine untouched
     (except the flags loragate sets itself, which are refused with the option to use)."""
-    from loragate.settings import load_settings
+    from loragate.settings import SettingsError, load_settings, settings_warnings
 
     explicit = given_values(options)
     explicit["engine_args"] = list(ctx.args) or None
     from loragate.engine_flags import check_engine_args
 
+    for warning in settings_warnings():
+        warn(warning)
     try:
         check_engine_args(ctx.args)
-        settings = load_settings(config, **explicit)
-    except (ValueError, OSError) as exc:
-        fail(str(exc))
+        settings = load_settings(config, from_flags=True, **explicit)
+    except SettingsError as exc:  # one line per problem, each naming its source
+        fail_each(exc.problems, USAGE)
+        return
+    except ValueError as exc:
+        fail(str(exc), USAGE)
         return
     from loragate.logs import configure_logging
 
@@ -63,7 +68,7 @@ def serve(
         try:
             check_tool_parser(settings.tool_call_parser, settings.engine_python)
         except ToolParserError as exc:
-            fail(str(exc))
+            fail(str(exc), USAGE)
     if settings.engine_command is None and settings.upstream_url is None:
         from loragate.supervisor.preflight import run_preflight
 
@@ -80,13 +85,14 @@ def serve(
             parallel=settings.parallel,
         )
         if problems:
-            fail("cannot start:\n  - " + "\n  - ".join(str(p) for p in problems))
+            fail("cannot start:\n  - " + "\n  - ".join(str(p) for p in problems), FAILURE)
     else:
         from loragate.supervisor.ports import port_is_free
 
         if not port_is_free(settings.host, settings.port):
             fail(
-                f"port {settings.port} on {settings.host} is already in use; pass --port to choose another"
+                f"port {settings.port} on {settings.host} is already in use; pass --port to choose another",
+                FAILURE,
             )
     from loragate.gateway.app import create_app
     from loragate.gateway.auth import KeyConfigError
@@ -94,7 +100,7 @@ def serve(
     try:
         asgi = create_app(settings)
     except KeyConfigError as exc:
-        fail(str(exc))
+        fail(str(exc), USAGE)
         return
     import uvicorn
 

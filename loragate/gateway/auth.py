@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from collections.abc import Mapping
 from typing import Protocol
 
 from loragate.gateway.errors import OpenAIError
 from loragate.settings import Settings
 
+logger = logging.getLogger(__name__)
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="loragate"'}
 
 
@@ -113,8 +115,14 @@ def check_key_settings(settings: Settings) -> list[str]:
     API open while its owner believes it closed), empty keys (a bare ``Bearer`` would match),
     and an admin key that is also an inference key (every client would be an admin); and
     ``--open-admin`` beside ``--cors-origin '*'``, which asks for admin routes without a key
-    and for every web page to call the gateway at once.
+    and for every web page to call the gateway at once. A key taken from ``VLLM_API_KEY`` (no
+    other key setting given, as vLLM reads it) is said in one log line, never shown.
     """
+    if settings.key_from_vllm_env:
+        logger.info(
+            "inference API key: VLLM_API_KEY (no --api-key, --api-key-file or LORAGATE_API_KEY "
+            "is set); the inference routes need it, as vLLM's do"
+        )
     if settings.open_admin and "*" in (origin.strip() for origin in settings.cors_origins):
         raise KeyConfigError(
             "--open-admin and --cors-origin '*' together would let any web page try the admin "

@@ -1,7 +1,9 @@
 """One settings model for the CLI, the config file, ``LORAGATE_*`` env vars and ``create_server()``.
 
 Precedence, highest first: explicit values (CLI flags, ``create_server`` keywords), environment
-variables, the config file (TOML or YAML), defaults.
+variables, the config file (TOML or YAML; ``--config`` or ``LORAGATE_CONFIG``), defaults.
+``VLLM_API_KEY`` is the inference key when no other key setting is given, as in vLLM. A wrong
+value fails in one line naming its source (``sources``).
 
 Each setting is declared once, in the field group of its concern (``serving``, ``engine``,
 ``access``, ``supervision``, ``request_limits``, ``adapter_store``, ``observability``);
@@ -12,12 +14,11 @@ checks between settings, and where values come from.
 from __future__ import annotations
 
 import contextvars
-import tomllib
+import os
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import field_validator, model_validator
+from pydantic import PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -32,7 +33,23 @@ from loragate.settings.engine import EngineFields
 from loragate.settings.observability import ObservabilityFields
 from loragate.settings.request_limits import RequestLimitFields
 from loragate.settings.serving import ServingFields
+from loragate.settings.sources import (
+    CONFIG_ENV,
+    ConfigFile,
+    SettingsError,
+    describe,
+    environment_name,
+    list_value,
+    read_config_file,
+    unknown_environment,
+    unknown_keys,
+)
 from loragate.settings.supervision import SupervisionFields
+
+__all__ = ["Settings", "SettingsError", "load_settings", "settings_warnings"]
+VLLM_KEY_ENV = "VLLM_API_KEY"
+# LORAGATE_* variables read outside Settings: not typos of a setting.
+OTHER_VARIABLES = ("LORAGATE_URL", CONFIG_ENV)
 
 _file_values: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "loragate_file_values", default=None
@@ -51,12 +68,36 @@ class Settings(
     ServingFields,
     BaseSettings,
 ):
-    model_config = SettingsConfigDict(env_prefix="LORAGATE_", extra="forbid")
+    # enable_decoding off: a list variable is not JSON-only; ``list_value`` reads it.
+    model_config = SettingsConfigDict(env_prefix="LORAGATE_", extra="forbid", enable_decoding=False)
+    # Whether the inference key is vLLM's VLLM_API_KEY (auth logs it when the gateway starts).
+    _key_from_vllm_env: bool = PrivateAttr(default=False)
 
-    @field_validator("lora", "api_key", "cors_origins", "engine_args", mode="before")
+    @field_validator(
+        "lora",
+        "api_key",
+        "cors_origins",
+        "allowed_hosts",
+        "allowed_source_networks",
+        "engine_args",
+        "engine_command",
+        mode="before",
+    )
     @classmethod
-    def _accept_single_string(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
+    def _list_from_one_string(cls, value: Any, info: Any) -> Any:
+        return list_value(info.field_name, value)
+
+    @model_validator(mode="after")
+    def _vllm_api_key_when_no_key_is_set(self) -> Settings:
+        vllm_key = os.environ.get(VLLM_KEY_ENV, "").strip()
+        if vllm_key and not self.api_key and self.api_key_file is None:
+            self.api_key = [vllm_key]
+            self._key_from_vllm_env = True
+        return self
+
+    @property
+    def key_from_vllm_env(self) -> bool:
+        return self._key_from_vllm_env
 
     @model_validator(mode="after")
     def _one_owner_of_the_adapters(self) -> Settings:
@@ -90,21 +131,92 @@ class Settings(
         return (init_settings, env_settings, file_source)
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Read a TOML or YAML config file; keys use the flag names with '-' or '_'."""
-    text = path.read_text()
-    data: Any
-    data = tomllib.loads(text) if path.suffix.lower() == ".toml" else yaml.safe_load(text) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: the config file must hold a table of settings")
-    return {str(key).replace("-", "_"): value for key, value in data.items()}
+def load_settings(
+    config_file: Path | None = None, *, from_flags: bool = False, **explicit: Any
+) -> Settings:
+    """Settings from explicit values, then env, then the config file, then defaults.
 
-
-def load_settings(config_file: Path | None = None, **explicit: Any) -> Settings:
-    """Settings from explicit values, then env, then the config file, then defaults."""
+    The config file is ``config_file``, else the file ``LORAGATE_CONFIG`` names. Every problem
+    raises ``SettingsError``, one line each naming its source: the flag (``from_flags``: the
+    values are `gateway serve`'s options) or keyword, the variable, or the file's line.
+    """
     values = {key: value for key, value in explicit.items() if value is not None}
-    token = _file_values.set(read_config_file(config_file) if config_file else {})
+    if config_file is None and os.environ.get(CONFIG_ENV):
+        config_file = Path(os.environ[CONFIG_ENV])
+    config = read_config_file(config_file) if config_file else None
+    if config is not None and (problems := unknown_keys(config, Settings.model_fields)):
+        raise SettingsError(problems)
+    token = _file_values.set(config.values if config else {})
     try:
         return Settings(**values)
+    except ValidationError as exc:
+        where = _source_names(values, config, from_flags)
+        raise SettingsError([describe(dict(error), where) for error in exc.errors()]) from None
     finally:
         _file_values.reset(token)
+
+
+def settings_warnings() -> list[str]:
+    """Warnings about the environment: ``LORAGATE_*`` variables that nearly name a setting."""
+    return unknown_environment(Settings.model_fields, OTHER_VARIABLES)
+
+
+def _source_names(values: dict[str, Any], config: ConfigFile | None, from_flags: bool) -> Any:
+    """Where a field's value came from, the way its owner wrote it."""
+
+    def where(name: str) -> str:
+        if name in values:
+            return _flag(name) if from_flags else name
+        variable = environment_name(name)
+        if variable is not None:
+            return variable
+        if config is not None and name in config.values:
+            return config.where(name)
+        return name
+
+    return where
+
+
+def _flag(name: str) -> str:
+    if name == "engine_args":
+        return "the engine arguments after --"
+    extra = Settings.model_fields[name].json_schema_extra
+    flags = extra.get("cli") if isinstance(extra, dict) else None
+    if isinstance(flags, list) and flags:
+        return str(flags[0]).split("/")[0]
+    return "--" + name.replace("_", "-")
+
+
+def config_schema() -> dict[str, Any]:
+    """The config file's JSON schema (for editors and CI), generated from ``Settings``.
+
+    Keys are accepted as snake_case or kebab-case (both listed), a list setting as a list or
+    one string (a value, comma-separated values or shell words), and nothing else.
+    """
+    schema = Settings.model_json_schema()
+    properties: dict[str, Any] = {}
+    for name, prop in schema["properties"].items():
+        prop = {key: value for key, value in prop.items() if not key.startswith("cli")}
+        prop.pop("title", None)
+        if name == "engine_python":
+            prop.pop("default", None)  # this machine's interpreter, not a default to publish
+        properties[name] = _list_or_one_string(prop)
+        if "_" in name:
+            properties[name.replace("_", "-")] = {"$ref": f"#/properties/{name}"}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "loragate gateway serve config file (TOML or YAML)",
+        "type": "object",
+        "properties": properties,
+        "additionalProperties": False,
+    }
+
+
+def _list_or_one_string(prop: dict[str, Any]) -> dict[str, Any]:
+    """A list setting's schema, widened to the one string ``list_value`` also reads."""
+    if prop.get("type") == "array":
+        array = {key: prop.pop(key) for key in ("type", "items") if key in prop}
+        return {**prop, "anyOf": [array, {"type": "string"}]}
+    if any(option.get("type") == "array" for option in prop.get("anyOf", [])):
+        return {**prop, "anyOf": [*prop["anyOf"], {"type": "string"}]}
+    return prop

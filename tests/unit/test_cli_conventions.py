@@ -49,7 +49,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """What `gateway serve` would start with: load_settings' arguments (nothing starts)."""
     seen: dict[str, Any] = {}
 
-    def load_settings(config: Any, **explicit: Any) -> Any:
+    def load_settings(config: Any, *, from_flags: bool = False, **explicit: Any) -> Any:
         seen.update(explicit)
         raise ValueError("stopped by the test")
 
