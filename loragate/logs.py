@@ -100,7 +100,16 @@ class JsonFormatter(SafeFormatter):
             "logger": record.name,
             "message": loggable(record.getMessage()),
         }
-        for key in ("request_id", "model", "status", "duration_ms"):
+        for key in (
+            "request_id",
+            "trace_id",
+            "model",
+            "version",
+            "status",
+            "prompt_tokens",
+            "completion_tokens",
+            "duration_ms",
+        ):
             value = getattr(record, key, None)
             if value is not None:
                 entry[key] = loggable(value) if isinstance(value, str) else value
