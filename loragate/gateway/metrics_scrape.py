@@ -84,13 +84,38 @@ def request_families(metrics: GatewayMetrics) -> list[Metric]:
         "loragate_requests_in_flight", "Inference requests being answered now."
     )
     in_flight.add_metric([], metrics.in_flight)
-    return [requests, duration, ttft, overhead, in_flight]
+    return [requests, duration, ttft, overhead, in_flight, *token_families(metrics)]
+
+
+def token_families(metrics: GatewayMetrics) -> list[Metric]:
+    """Tokens by public model, from each answer's ``usage`` (streamed answers included)."""
+    prompt = CounterMetricFamily(
+        "loragate_prompt_tokens",
+        "Prompt tokens of answered requests (the engine's usage), by public model.",
+        labels=["model_name"],
+    )
+    for model, count in sorted(metrics.prompt_tokens.items()):
+        prompt.add_metric([model], count)
+    completion = CounterMetricFamily(
+        "loragate_completion_tokens",
+        "Generated tokens of answered requests (the engine's usage), by public model.",
+        labels=["model_name"],
+    )
+    for model, count in sorted(metrics.completion_tokens.items()):
+        completion.add_metric([model], count)
+    tpot = HistogramMetricFamily(
+        "loragate_time_per_output_token_seconds",
+        "Streamed requests: time per generated token after the first.",
+        labels=["model_name"],
+    )
+    for model, histogram in sorted(metrics.tpot.items()):
+        tpot.add_metric([model], histogram.buckets(), histogram.total)
+    return [prompt, completion, tpot]
 
 
 async def render(gateway: Gateway) -> bytes:
     """The whole scrape: the gateway's metrics, its backend's state, then the engine's own."""
     families = request_families(gateway.metrics)
-    families += _process_families()
     engine = engine_snapshot_of(gateway.backend)
     if engine is not None:
         families += _engine_families(engine)
@@ -114,25 +139,6 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, documentation, value=value)
-
-
-def _process_families() -> list[Metric]:
-    import psutil
-
-    process = psutil.Process()
-    with process.oneshot():
-        rss = process.memory_info().rss
-        cpu = process.cpu_times()
-    return [
-        _gauge(
-            "loragate_process_resident_memory_bytes", "The gateway process's resident memory.", rss
-        ),
-        _counter(
-            "loragate_process_cpu_seconds",
-            "CPU time the gateway process used.",
-            cpu.user + cpu.system,
-        ),
-    ]
 
 
 def _engine_families(engine: EngineSnapshot) -> list[Metric]:

@@ -96,4 +96,4 @@ def test_engine_metrics_come_through_the_gateways_scrape(
     assert value(after, "loragate_requests_queued") == 0
     assert value(after, "loragate_adapters_served") == 3
     assert value(after, "loragate_adapter_store_bytes") > 0
-    assert value(after, "loragate_process_resident_memory_bytes") > 0
+    assert value(after, "process_resident_memory_bytes") > 0

@@ -198,7 +198,7 @@ async def test_scrape_counts_known_traffic_by_model_and_status(engine: str, tmp_
         == 2
     )
     assert value(samples, "loragate_requests_in_flight") == 0
-    assert value(samples, "loragate_process_resident_memory_bytes") > 0
+    assert value(samples, "process_resident_memory_bytes") > 0
 
 
 async def test_metrics_need_the_admin_key_when_not_public(engine: str, tmp_path: Path) -> None:

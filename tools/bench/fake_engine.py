@@ -50,6 +50,7 @@ class FakeEngine:
     # Generations cut because their client hung up midway: request id -> tokens generated.
     aborted: dict[str, int] = field(default_factory=dict)
     loaded: dict[str, str] = field(default_factory=dict)
+    kv_cache_usage: float = 0.0  # what /metrics reports as vllm:kv_cache_usage_perc (0 to 1)
 
     @property
     def streams_cut(self) -> int:
@@ -140,6 +141,9 @@ class _Request(asyncio.Protocol):
                 "# HELP vllm:request_success_total Finished requests.\n"
                 "# TYPE vllm:request_success_total counter\n"
                 f'vllm:request_success_total{{model_name="{state.models[0]}"}} {float(state.requests)}\n'
+                "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+                "# TYPE vllm:kv_cache_usage_perc gauge\n"
+                f'vllm:kv_cache_usage_perc{{engine="0",model_name="{state.models[0]}"}} {state.kv_cache_usage}\n'
             )
             return _response(200, text.encode(), b"text/plain; version=0.0.4; charset=utf-8")
         if state.api_key is not None and self.auth != b"Bearer " + state.api_key.encode():
@@ -193,7 +197,9 @@ class _Request(asyncio.Protocol):
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
             b"transfer-encoding: chunked\r\n\r\n"
         )
-        events = _stream_events(tokens, chat, kind + ".chunk", created, model)
+        options = body.get("stream_options")
+        usage = isinstance(options, dict) and options.get("include_usage") is True
+        events = _stream_events(tokens, chat, kind + ".chunk", created, model, usage)
         if self.state.token_interval <= 0:
             return head + b"".join(events)
         self.generate(events)
@@ -240,10 +246,11 @@ _MOST_AT_ONCE = 4096
 
 
 def _stream_events(
-    tokens: int, chat: bool, kind: str, created: int, model: object
+    tokens: int, chat: bool, kind: str, created: int, model: object, usage: bool = False
 ) -> Iterator[bytes]:
     """A stream's chunks, an event per token then the end, made as they are sent (a test may
-    ask for millions of tokens and read a few)."""
+    ask for millions of tokens and read a few); with ``usage`` (the request's
+    ``stream_options.include_usage``), vLLM's last chunk: no choices, the usage."""
     for index in range(tokens):
         delta: dict[str, object] = {"index": 0, "finish_reason": None}
         if chat:
@@ -253,6 +260,11 @@ def _stream_events(
         chunk = {"id": "cmpl-bench", "object": kind, "created": created, "model": model}
         chunk["choices"] = [delta]
         yield _chunk(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    if usage:
+        counts = {"prompt_tokens": 8, "total_tokens": 8 + tokens, "completion_tokens": tokens}
+        last = {"id": "cmpl-bench", "object": kind, "created": created, "model": model}
+        last |= {"choices": [], "usage": counts}
+        yield _chunk(b"data: " + orjson.dumps(last) + b"\n\n")
     yield _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 
 

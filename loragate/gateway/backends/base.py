@@ -10,6 +10,7 @@ import orjson
 from starlette.responses import Response
 
 from loragate.adapters.stats import AdapterStats
+from loragate.gateway.metrics import ask_for_usage
 from loragate.supervisor.snapshot import EngineSnapshot
 
 
@@ -56,7 +57,9 @@ def json_post(
     path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
 ) -> EngineCall:
     """``forward``'s request as an ``EngineCall``: ``payload`` as JSON, its model set to the id
-    the backend picks at send time."""
+    the backend picks at send time. A stream is asked for its usage chunk (``ask_for_usage``:
+    its tokens are counted, the chunk dropped unless the client asked for it)."""
+    ask_for_usage(path, payload)
 
     def body(model_id: str | None) -> bytes:
         payload["model"] = model_id

@@ -61,6 +61,25 @@ def _with_component(sample: bytes) -> bytes:
     return sample[:space] + b"{" + _COMPONENT + b"}" + sample[space:]
 
 
+# vLLM's KV-cache use, a fraction (1 is full); the older name before vLLM 0.10.
+_KV_CACHE_USAGE = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")
+
+
+def kv_cache_usage(text: bytes) -> float | None:
+    """The engine's KV-cache use (0 to 1) from its relabelled exposition, the highest over its
+    series (one per engine, under data parallelism); None when it reports none."""
+    found: list[float] = []
+    for line in text.splitlines():
+        if line.startswith(_KV_CACHE_USAGE):
+            name = line.split(b"{", 1)[0].split(b" ", 1)[0]
+            if name in _KV_CACHE_USAGE:
+                try:
+                    found.append(float(line.rsplit(b" ", 1)[1]))
+                except (IndexError, ValueError):
+                    continue
+    return max(found) if found else None
+
+
 class EngineAddress(Protocol):
     @property
     def base_url(self) -> str: ...

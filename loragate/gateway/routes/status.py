@@ -1,6 +1,8 @@
 """What the status page reads beyond the admin API: the log tail and the last minutes of traffic.
 
-``GET /admin/logs`` is an admin route (same checks as every other: origin, host, admin key).
+``GET /admin/logs`` and ``GET /admin/activity`` (the last requests, tokens/s and KV-cache
+use) are admin routes (same checks as every other: origin, host, admin key): a request list
+says who uses which model when, which ``/metrics`` does not.
 ``GET /metrics/recent`` shows what ``/metrics`` shows, as JSON over time, so it follows the
 ``/metrics`` rule: public unless ``metrics_public`` is off, then the admin key.
 """
@@ -16,9 +18,11 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import StreamingResponse
 
-from loragate.gateway.backends.base import engine_snapshot_of
+from loragate.gateway.backends.base import engine_metrics_of, engine_snapshot_of
+from loragate.gateway.backends.engine_metrics import kv_cache_usage
 from loragate.gateway.log_tail import engine_lines, gateway_lines, merged
 from loragate.gateway.runtime import Gateway
+from loragate.logs import loggable_in
 
 HEARTBEAT_SECONDS = 5.0
 # A followed tail ends after this long and the page asks again: no stream outlives its use
@@ -74,6 +78,20 @@ async def log_tail(
         media_type="application/x-ndjson",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+@admin_router.get("/admin/activity")
+async def activity(request: Request) -> dict[str, Any]:
+    """The last inference requests, newest first (time, route, model, adapter version, status,
+    tokens, latency), completion tokens a second over the last seconds, and the engine's
+    KV-cache use (0 to 1) when its /metrics reports it (else null)."""
+    gateway: Gateway = request.app.state.gateway
+    engine_text = await engine_metrics_of(gateway.backend)
+    return {
+        "requests": loggable_in(list(reversed(gateway.metrics.activity))),
+        "tokens_per_second": gateway.metrics.tokens_per_second(),
+        "kv_cache_usage": kv_cache_usage(engine_text) if engine_text else None,
+    }
 
 
 def _line(source: str, line: str) -> bytes:

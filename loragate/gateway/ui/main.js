@@ -39,9 +39,13 @@ function renderEngine(info, health) {
     if (info.memory) add("KV cache", info.memory);
     add("waiting requests", info.waiting_requests);
   } else if (health) {
+    // Only what /health says publicly: this view needs no key.
     add("state", health.status, `state-${health.status}`);
     add("reason", health.reason || "");
+    if (health.models && health.models.length) add("model", health.models[0]);
   }
+  // The start's download, dequantization or boot: stage, percent, bytes of total, rate.
+  if (health && health.progress) add("progress", health.progress.description);
   const list = document.getElementById("engine-facts");
   const names = facts.map(([name]) => name).join("|");
   if (list.dataset.names !== names) {
@@ -227,6 +231,32 @@ function renderTraffic(result) {
   drawTraffic(document.getElementById("traffic-chart"), data.points);
 }
 
+// ----- activity (admin) -----------------------------------------------------------------
+
+let drawnActivity = "";
+function renderActivity(result) {
+  if (result.error) {
+    setMessage("activity-message", result.error, true);
+    return;
+  }
+  setMessage("activity-message", "");
+  const data = result.data;
+  setText("activity-tokens", data.tokens_per_second.toFixed(1));
+  setText("activity-kv", data.kv_cache_usage === null ? "–" : `${(data.kv_cache_usage * 100).toFixed(1)} %`);
+  const drawn = JSON.stringify(data.requests);
+  if (drawn === drawnActivity) return;
+  drawnActivity = drawn;
+  const tokens = (r) => (r.prompt_tokens === null ? "–" : `${r.prompt_tokens} / ${r.completion_tokens}`);
+  document.getElementById("activity-rows").replaceChildren(...data.requests.map((r) =>
+    el("tr", { className: r.status >= 400 ? "failure" : "", dataset: { model: r.model, status: r.status } },
+      el("td", { text: clock(r.at) }),
+      el("td", {}, el("code", { text: r.model })),
+      el("td", {}, el("code", { text: short(r.version) })),
+      el("td", { className: r.status >= 400 ? "error" : "", text: r.status }),
+      el("td", { text: tokens(r) }),
+      el("td", { text: `${r.latency_s.toFixed(3)} s${r.stream ? " (stream)" : ""}` }))));
+}
+
 let refreshing = null;
 async function refreshOnce() {
   const [health, traffic, models] = await Promise.all([
@@ -238,7 +268,9 @@ async function refreshOnce() {
   else setMessage("chat-message", models.error, true);
   let engine = null;
   if (adminKey()) {
-    const [engineInfo, adapters] = await Promise.all([call("GET", "admin/engine"), call("GET", "admin/adapters")]);
+    const [engineInfo, adapters, activity] = await Promise.all([
+      call("GET", "admin/engine"), call("GET", "admin/adapters"), call("GET", "admin/activity"),
+    ]);
     if (adapters.status === 401 || adapters.status === 403) {
       setAdmin(false, `Read-only: the key given was refused (${adapters.error}).`);
     } else {
@@ -250,6 +282,7 @@ async function refreshOnce() {
         setMessage("adapter-message", adapters.error, true);
       }
       if (!engineInfo.error) engine = engineInfo.data;
+      renderActivity(activity);
     }
   } else {
     setAdmin(false,
