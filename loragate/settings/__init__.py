@@ -40,6 +40,7 @@ from loragate.settings.sources import (
     describe,
     environment_name,
     list_value,
+    nearest,
     read_config_file,
     unknown_environment,
     unknown_keys,
@@ -143,6 +144,8 @@ def load_settings(
     values = {key: value for key, value in explicit.items() if value is not None}
     if config_file is None and os.environ.get(CONFIG_ENV):
         config_file = Path(os.environ[CONFIG_ENV])
+    if problems := _unknown_names(values):
+        raise SettingsError(problems)
     config = read_config_file(config_file) if config_file else None
     if config is not None and (problems := unknown_keys(config, Settings.model_fields)):
         raise SettingsError(problems)
@@ -154,6 +157,18 @@ def load_settings(
         raise SettingsError([describe(dict(error), where) for error in exc.errors()]) from None
     finally:
         _file_values.reset(token)
+
+
+def _unknown_names(values: dict[str, Any]) -> list[str]:
+    """One line per explicit value (a ``create_server`` keyword) that names no setting."""
+    problems = []
+    for name in values:
+        if name not in Settings.model_fields:
+            match = nearest(name, Settings.model_fields)
+            problems.append(
+                f"unknown setting '{name}'" + (f"; did you mean '{match}'?" if match else "")
+            )
+    return problems
 
 
 def settings_warnings() -> list[str]:

@@ -164,6 +164,12 @@ def test_settings_errors_say_each_source_through_settings_directly(
     )
 
 
+def test_an_unknown_keyword_names_the_nearest_setting(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError) as raised:
+        load_settings(cache_dir=tmp_path, max_lora=4)
+    assert raised.value.problems == ["unknown setting 'max_lora'; did you mean 'max_loras'?"]
+
+
 def test_a_bad_value_in_the_config_file_names_the_file_and_line(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
