@@ -129,7 +129,7 @@ def adapters_convert(
     ],
     cache_dir: Annotated[
         Path | None,
-        typer.Option(help="Cache dir for a base model id [default: ~/.cache/loragate]."),
+        typer.Option(help="Cache dir for a base model id (default: ~/.cache/loragate)."),
     ] = None,
 ) -> None:
     """Offline: convert any supported adapter format to the PEFT layout vLLM loads."""

@@ -20,7 +20,7 @@ AdminKeyOption = Annotated[
     typer.Option(
         "--admin-key",
         envvar="LORAGATE_ADMIN_KEY",
-        help="The gateway's admin key [default: a gateway on this machine's per-start token].",
+        help="The gateway's admin key (default: a gateway on this machine's per-start token).",
     ),
 ]
 CacheDirOption = Annotated[

@@ -1,26 +1,90 @@
-"""`gateway serve`'s options, built from the ``Settings`` fields marked ``serve_option``.
+"""`gateway serve`'s options, built from the ``Settings`` fields marked ``serve_option``, and
+the plain help that shows them.
 
 Each setting is declared once, in its ``loragate.settings`` field group: its type, default,
-constraints and description there become the option's type, help and ``(default: ...)`` here.
-Every option defaults to None, meaning "not given", so the environment and the config file
-still apply.
+constraints and description there become the option's type, metavar, help and
+``(default: ...)`` here. Every option defaults to None, meaning "not given", so the
+environment and the config file still apply.
+
+The help is plain text, one option per line with its help indented beneath (as ``vllm serve
+--help`` and git do), so that no option name is ever cut, at any width: rich's table cut
+``--pretrained-model-name-or-path`` to ``--pretrai…`` at 80 columns, and a script that read
+the help dropped the flag.
 """
 
 from __future__ import annotations
 
 import enum
 import inspect
+import shutil
+import textwrap
 import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import typer
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from loragate.settings import Settings
+from loragate.settings.access import AccessFields
+from loragate.settings.adapter_store import AdapterStoreFields
+from loragate.settings.engine import EngineFields
+from loragate.settings.observability import ObservabilityFields
+from loragate.settings.request_limits import RequestLimitFields
+from loragate.settings.serving import ServingFields
+from loragate.settings.supervision import SupervisionFields
 
-MIB = 1024 * 1024
+KIB = 1024
+MIB = 1024 * KIB
+
+# The help's sections, in this order; an option's is its field group's unless PANEL_OF says.
+GENERAL = "General"
+PANELS = (
+    GENERAL,
+    "Model",
+    "Adapters",
+    "Network and keys",
+    "Engine",
+    "Supervision",
+    "Limits",
+    "Logging",
+)
+_GROUP_PANELS: dict[type[BaseModel], str] = {
+    ServingFields: "Model",
+    AdapterStoreFields: "Adapters",
+    AccessFields: "Network and keys",
+    EngineFields: "Engine",
+    SupervisionFields: "Supervision",
+    RequestLimitFields: "Limits",
+    ObservabilityFields: "Logging",
+}
+PANEL_OF = {
+    "lora": "Adapters",
+    "adapters_manifest": "Adapters",
+    "max_loras": "Adapters",
+    "max_lora_rank": "Adapters",
+    "max_cpu_loras": "Adapters",
+    "host": "Network and keys",
+    "port": "Network and keys",
+    "cache_dir": "Model",
+    "upstream_timeout": "Limits",
+    "allowed_media_dir": "Limits",
+}
+# Metavars that say more than the type's word (TEXT, INT, NUMBER, PATH, SECONDS, BYTES, URL).
+METAVAR_OF = {
+    "model": "MODEL",
+    "lora": "NAME=SOURCE",
+    "api_key": "KEY",
+    "admin_key": "KEY",
+    "secret_key": "KEY",
+    "cors_origins": "URL",
+    "allowed_hosts": "HOST",
+    "allowed_source_networks": "NETWORK",
+}
+_WIDEST = 100  # past this, lines of help get hard to read however wide the terminal
+_HELP_INDENT = 6
 
 
 def serve_parameters() -> list[inspect.Parameter]:
@@ -34,9 +98,12 @@ def serve_parameters() -> list[inspect.Parameter]:
         option_type, choices = _option_type(name, field.annotation)
         option = typer.Option(
             *(flags or [f"--{name.replace('_', '-')}"]),
-            help=_help(field),
+            help=_help(name, field),
             envvar=typing.cast(str | None, extra.get("cli_envvar")),
+            show_envvar=False,  # the help shows it with LORAGATE_*, which the settings read
             case_sensitive=not choices,
+            metavar=_metavar(name, option_type, choices),
+            rich_help_panel=PANEL_OF.get(name) or _group_panel(name),
         )
         annotation = Annotated[option_type | None, option]  # type: ignore[valid-type]
         parameters.append(
@@ -71,17 +138,117 @@ def _option_type(name: str, annotation: Any) -> tuple[Any, bool]:
     raise TypeError(f"Settings.{name}: no command-line type for {annotation!r}")
 
 
-def _help(field: FieldInfo) -> str:
-    from rich.markup import escape  # typer renders help as rich markup: "[@REV]" would vanish
+def _group_panel(name: str) -> str:
+    group = next((g for g in _GROUP_PANELS if name in g.model_fields), None)
+    return _GROUP_PANELS[group] if group is not None else "Other"
 
-    text = escape(field.description or "")
+
+def _metavar(name: str, option_type: Any, choices: bool) -> str | None:
+    """The option's value in words; None for a flag (it takes no value)."""
+    if option_type is bool:
+        return None
+    if choices:
+        return "{" + ",".join(member.value for member in option_type) + "}"
+    if name in METAVAR_OF:
+        return METAVAR_OF[name]
+    if name.endswith("_bytes"):
+        return "BYTES"
+    if name.endswith(("_timeout", "_interval", "_deadline")):
+        return "SECONDS"
+    if name.endswith("_url"):
+        return "URL"
+    words = {Path: "PATH", int: "INT", float: "NUMBER"}
+    return words.get(option_type, "TEXT")
+
+
+def _help(name: str, field: FieldInfo) -> str:
+    """The field's description, and its default when it has one worth saying."""
+    text = field.description or ""
+    if "default:" in text.lower():  # the description says it in words ("Default: no cap.")
+        return text
     default = field.default
-    if field.default_factory is not None or default is None or default is False:
+    if field.default_factory is not None:
+        default = field.default_factory()  # type: ignore[call-arg]
+    if default is None or default is False or default == []:
         return text
     if default is True:
         shown = "on"
-    elif isinstance(default, int) and default >= MIB and default % MIB == 0:
-        shown = f"{default // MIB} MiB"
+    elif isinstance(default, Path):
+        home = str(Path.home())
+        shown = "~" + str(default)[len(home) :] if str(default).startswith(home) else str(default)
+    elif name.endswith("_bytes") and isinstance(default, int) and default % KIB == 0:
+        shown = f"{default // MIB} MiB" if default % MIB == 0 else f"{default // KIB} KiB"
+    elif isinstance(default, float) and default.is_integer():
+        shown = str(int(default))
     else:
         shown = str(default)
-    return f"{text} (default: {shown})"  # not [..]: rich would read that as markup
+    return f"{text} (default: {shown})"
+
+
+def format_help(command: Any, ctx: typer.Context, usage_tail: str = "") -> str:
+    """``command``'s help as plain text: usage, description, then each section's options, one
+    per entry: every name and the metavar (wrapped between names, never inside one), the help
+    beneath, and the environment variables that set it."""
+    columns = ctx.terminal_width or shutil.get_terminal_size().columns
+    width = max(min(columns, ctx.max_content_width or _WIDEST, _WIDEST), 40)
+    pieces = " ".join(command.collect_usage_pieces(ctx))
+    lines = _wrap(f"Usage: {ctx.command_path} {pieces}{usage_tail}", width, 0, 4)
+    for paragraph in inspect.cleandoc(command.help or "").split("\n\n"):
+        lines += ["", *_wrap(paragraph, width, 2)]
+    params = command.get_params(ctx)
+    # typer's own click (typer._click): told apart by kind, not by class.
+    arguments = [p for p in params if p.param_type_name == "argument"]
+    if arguments:
+        lines += ["", "Arguments:"]
+        for argument in arguments:
+            lines += [f"  {argument.metavar or (argument.name or '').upper()}"]
+            lines += _wrap(getattr(argument, "help", None) or "", width, _HELP_INDENT)
+    sections: dict[str, list[Any]] = {}
+    for param in params:
+        if param.param_type_name == "option" and not param.hidden:
+            panel = getattr(param, "rich_help_panel", None) or GENERAL
+            sections.setdefault(panel, []).append(param)
+    order = [*PANELS, *(panel for panel in sections if panel not in PANELS)]
+    for panel in (panel for panel in order if panel in sections):
+        lines += ["", f"{panel}:"]
+        for option in sections[panel]:
+            lines += _option_entry(option, width)
+    return "\n".join(lines) + "\n"
+
+
+def _option_entry(option: Any, width: int) -> list[str]:
+    names = [*option.opts, *option.secondary_opts]
+    names = [*(f"{name}," for name in names[:-1]), names[-1]]
+    if not option.is_flag and option.metavar:
+        names.append(option.metavar)
+    lines = _wrap(" ".join(names), width, 2, 4)
+    lines += _wrap(option.help or "", width, _HELP_INDENT)
+    envvars = _envvars(option)
+    if envvars:
+        lines += _wrap(f"[env: {', '.join(envvars)}]", width, _HELP_INDENT)
+    return lines
+
+
+def _envvars(option: Any) -> list[str]:
+    """The variables that set ``option``: its own (read by the command line) and, for a
+    setting, the ``LORAGATE_*`` one the settings read."""
+    own = option.envvar
+    names = [own] if isinstance(own, str) else list(own or [])
+    if option.name in Settings.model_fields:
+        names.append(f"{Settings.model_config.get('env_prefix', '')}{option.name.upper()}")
+    return names
+
+
+def _wrap(text: str, width: int, indent: int, later: int | None = None) -> list[str]:
+    """``text`` filled to ``width``, breaking only at spaces: a flag, a URL or a path is
+    never cut (one longer than the line stands alone on its line)."""
+    if not text:
+        return []
+    return textwrap.wrap(
+        " ".join(text.split()),
+        width=width,
+        initial_indent=" " * indent,
+        subsequent_indent=" " * (indent if later is None else later),
+        break_long_words=False,
+        break_on_hyphens=False,
+    )

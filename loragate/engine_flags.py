@@ -32,13 +32,22 @@ OWNED_FLAGS: dict[str, str] = {
 }
 
 
-def owned_flags_in(args: Iterable[str]) -> list[str]:
-    """The loragate-owned flags among ``args`` (``--flag`` and ``--flag=value`` forms)."""
-    found = []
+def flag_name(arg: str) -> str:
+    """The flag ``arg`` names as vLLM's argparse reads it: ``--max_loras=4`` is
+    ``--max-loras`` (vLLM's ``FlexibleArgumentParser`` turns ``_`` into ``-`` in a long
+    flag's name, and production-stack's chart spells them so). Short flags stay as they are."""
+    name = arg.split("=", 1)[0]
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
+def owned_flags_in(args: Iterable[str]) -> list[tuple[str, str]]:
+    """The loragate-owned flags among ``args``, each as (spelled, flag): ``--flag``,
+    ``--flag=value`` and the underscore spellings alike."""
+    found: list[tuple[str, str]] = []
     for arg in args:
-        name = arg.split("=", 1)[0]
-        if name in OWNED_FLAGS and name not in found:
-            found.append(name)
+        flag = flag_name(arg)
+        if flag in OWNED_FLAGS and flag not in [known for _, known in found]:
+            found.append((arg.split("=", 1)[0], flag))
     return found
 
 
@@ -46,7 +55,7 @@ def check_engine_args(args: Iterable[str]) -> None:
     """Raise ``ValueError`` naming each loragate-owned flag in ``args`` and what to use."""
     owned = owned_flags_in(args)
     if owned:
-        lines = [f"{flag}: {OWNED_FLAGS[flag]}" for flag in owned]
+        lines = [f"{spelled}: {OWNED_FLAGS[flag]}" for spelled, flag in owned]
         raise ValueError(
             "engine arguments after `--` may not set what loragate sets itself:\n    "
             + "\n    ".join(lines)
@@ -74,12 +83,13 @@ EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
 
 def engine_arg_value(args: list[str], flag: str, aliases: tuple[str, ...] = ()) -> str | None:
     """The value ``args`` give ``flag`` (or an alias), as argparse reads it: ``--flag V``,
-    ``--flag=V``, ``-tp V``, ``-tp=V``; the last one wins. None when not given."""
+    ``--flag=V``, ``--flag_name V``, ``-tp V``, ``-tp=V``; the last one wins. None when not
+    given."""
     names = (flag, *aliases)
     value = None
     for index, arg in enumerate(args):
-        name, sep, inline = arg.partition("=")
-        if name not in names:
+        _, sep, inline = arg.partition("=")
+        if flag_name(arg) not in names:
             continue
         if sep:
             value = inline
@@ -156,11 +166,7 @@ def parallel_layout(args: list[str], options: dict[str, int | str | None]) -> Pa
         raw = engine_arg_value(args, flag, aliases)
         if given is not None and raw is not None and str(given) != raw:
             spelled = next(
-                (
-                    arg.partition("=")[0]
-                    for arg in args
-                    if arg.partition("=")[0] in (flag, *aliases)
-                ),
+                (arg.partition("=")[0] for arg in args if flag_name(arg) in (flag, *aliases)),
                 flag,
             )
             raise ValueError(

@@ -20,7 +20,7 @@ class AdapterStoreFields(BaseModel):
         default_factory=default_state_dir,
         description=(
             "The runtime adapter manifest (adapters added at runtime: state, not cache) "
-            "[default: $STATE_DIRECTORY under systemd, else the cache dir]."
+            "(default: $STATE_DIRECTORY under systemd, else the cache dir)."
         ),
         json_schema_extra=serve_option(),
     )

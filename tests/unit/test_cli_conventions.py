@@ -63,7 +63,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         (["--max-lora", "4"], "No such option: --max-lora"),
         (["--modle", "x"], "No such option: --modle"),
         (["-x"], "No such option: -x"),
-        (["stray-argument"], "unexpected extra argument"),
+        (["org/model", "stray-argument"], "unexpected extra argument"),  # MODEL, then a stray
         (["--gpu-memory-utilization", "0.5"], "No such option"),  # an engine flag before `--`
     ],
 )
