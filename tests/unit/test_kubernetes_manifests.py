@@ -8,6 +8,7 @@ kustomization applies every manifest (built with `kubectl kustomize` where kubec
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
@@ -19,13 +20,21 @@ import httpx
 import kubernetes_validate
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from loragate.cli import app as cli_app
 from loragate.engine_flags import check_engine_args
 from loragate.gateway.app import create_app
 from loragate.settings import Settings
-from tests.backend_double import ManagedBackendDouble, settings_for
+from tests.backend_double import (
+    ManagedBackendDouble,
+    ProxiedBackend,
+    adapter_stats,
+    engine_snapshot,
+    settings_for,
+)
+from tools.bench.fake_engine import FakeEngine, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "deploy" / "kubernetes"
@@ -435,3 +444,96 @@ def test_the_pod_tolerates_gpu_nodes_and_asks_for_its_gpu() -> None:
     terms = affinity.get("preferredDuringSchedulingIgnoredDuringExecution", [])
     keys = [e["key"] for t in terms for e in t["preference"]["matchExpressions"]]
     assert any(key.startswith("nvidia.com/gpu.") for key in keys), keys
+
+
+# ----- monitoring: the ServiceMonitor and the Grafana dashboard ------------------------------
+
+MONITORING = MANIFESTS / "monitoring"
+DASHBOARD = MONITORING / "grafana-dashboard.json"
+# The names a PromQL expression reads: the gateway's, the engine's (relayed) and process_*.
+_METRIC_NAME = re.compile(r"\b(?:loragate_[A-Za-z0-9_]+|vllm:[A-Za-z0-9_:]+|process_[A-Za-z0-9_]+)")
+
+
+def test_the_service_monitor_scrapes_the_services_http_port_at_metrics() -> None:
+    docs = [d for d in yaml.safe_load_all((MONITORING / "servicemonitor.yaml").read_text()) if d]
+    assert [(d["apiVersion"], d["kind"]) for d in docs] == [
+        ("monitoring.coreos.com/v1", "ServiceMonitor")
+    ]
+    monitor, service = docs[0], only("Service")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    port_names = {port["name"] for port in service["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["port"] in port_names and endpoint["path"] == "/metrics"
+    kustomization = yaml.safe_load((MONITORING / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["servicemonitor.yaml"]
+    [generator] = kustomization["configMapGenerator"]
+    assert generator["files"] == [DASHBOARD.name]
+    assert generator["options"]["labels"] == {"grafana_dashboard": "1"}  # Grafana's sidecar
+
+
+def test_kustomize_builds_the_monitoring_kustomization() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    built = subprocess.run(
+        [kubectl, "kustomize", str(MONITORING)], capture_output=True, text=True, timeout=60
+    )
+    assert built.returncode == 0, built.stderr
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(built.stdout) if doc}
+    assert set(docs) == {"ConfigMap", "ServiceMonitor"}
+    kubernetes_validate.validate(docs["ConfigMap"], KUBERNETES_VERSIONS[0], strict=True)
+    assert docs["ConfigMap"]["data"][DASHBOARD.name] == DASHBOARD.read_text()
+
+
+def dashboard_expressions() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    return exprs
+
+
+def test_the_dashboard_shows_what_an_operator_watches() -> None:
+    used = {name for expr in dashboard_expressions() for name in _METRIC_NAME.findall(expr)}
+    for name in (
+        "loragate_requests_total",  # requests/s and errors
+        "loragate_request_duration_seconds_bucket",  # latency p50/p95
+        "loragate_completion_tokens_total",  # tokens/s per model
+        "loragate_prompt_tokens_total",
+        "vllm:kv_cache_usage_perc",
+        "loragate_engine_restarts_total",
+    ):
+        assert name in used, name
+
+
+async def test_every_metric_the_dashboard_reads_is_in_the_gateways_scrape(
+    tmp_path: Path,
+) -> None:
+    """The names in every panel's query exist on a real scrape of the gateway (with the
+    stand-in engine's series relayed) after some traffic: a renamed series fails here."""
+    fake = FakeEngine(api_key=None, models=["base"], kv_cache_usage=0.5)
+    server = await start_server(fake)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    backend = ProxiedBackend(
+        url, ["base"], engine=engine_snapshot(), adapters=adapter_stats(), engine_url=url
+    )
+    app = create_app(Settings(cache_dir=tmp_path), backend=backend)
+    chat = {"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    async with (
+        server,
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1"
+        ) as client,
+    ):
+        assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+        usage = {"stream": True, "stream_options": {"include_usage": True}}
+        streamed = await client.post("/v1/chat/completions", json={**chat, **usage})
+        assert streamed.status_code == 200
+        scrape = (await client.get("/metrics")).text
+    exposed = {
+        sample.name
+        for family in text_string_to_metric_families(scrape)
+        for sample in family.samples
+    }
+    used = {name for expr in dashboard_expressions() for name in _METRIC_NAME.findall(expr)}
+    assert used and not used - exposed, sorted(used - exposed)
