@@ -61,13 +61,13 @@ app.command(cls=ServeCommand)(serve)
 def pull(
     model: str,
     cache_dir: Annotated[
-        Path | None, typer.Option(help="Cache dir [default: ~/.cache/loragate].")
+        Path | None, typer.Option(help="Cache dir (default: ~/.cache/loragate).")
     ] = None,
     engine_python: Annotated[
         str | None,
         typer.Option(
             envvar="LORAGATE_ENGINE_PYTHON",
-            help="Python with torch and transformers, to dequantize a GGUF [default: this one].",
+            help="Python with torch and transformers, to dequantize a GGUF (default: this one).",
         ),
     ] = None,
 ) -> None:

@@ -13,7 +13,7 @@ import typer
 from typer.core import TyperCommand
 
 from loragate.cli_errors import FAILURE, USAGE, fail, fail_each, warn
-from loragate.cli_options import given_values, serve_parameters
+from loragate.cli_options import format_help, given_values, serve_parameters
 
 
 class ServeCommand(TyperCommand):
@@ -34,10 +34,25 @@ class ServeCommand(TyperCommand):
         ctx.args = after
         return after
 
+    def format_help(self, ctx: Any, formatter: Any) -> None:  # a click Context, HelpFormatter
+        """Plain help, one option per entry, so that no option name is ever cut (rich's
+        table cut them at 80 columns); see ``cli_options.format_help``."""
+        formatter.write(format_help(self, ctx, usage_tail=" [-- ENGINE_ARGS...]"))
+
 
 def serve(
     ctx: typer.Context,
-    config: Annotated[Path | None, typer.Option(help="Settings file (TOML or YAML).")] = None,
+    config: Annotated[
+        Path | None, typer.Option(metavar="PATH", help="Settings file (TOML or YAML).")
+    ] = None,
+    model_argument: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="MODEL",
+            show_default=False,
+            help="The base model, as --model (`gateway serve MODEL`, like `vllm serve MODEL`).",
+        ),
+    ] = None,
     **options: Any,
 ) -> None:
     """Start the engine and the gateway. Arguments after `--` go to the engine untouched
@@ -45,6 +60,14 @@ def serve(
     from loragate.settings import SettingsError, load_settings, settings_warnings
 
     explicit = given_values(options)
+    if model_argument is not None:
+        if explicit.get("model") not in (None, model_argument):
+            fail(
+                f"the model is given twice: {model_argument!r} and --model "
+                f"{explicit['model']!r}; give it once",
+                USAGE,
+            )
+        explicit["model"] = model_argument
     explicit["engine_args"] = list(ctx.args) or None
     from loragate.engine_flags import check_engine_args
 
@@ -123,7 +146,10 @@ def serve(
     )
 
 
-# Every option but --config is a Settings field: declared there once (loragate/cli_options.py).
+# Every option but --config (and the MODEL argument, --model's twin) is a Settings field:
+# declared there once (loragate/cli_options.py).
 serve.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [*list(inspect.signature(serve).parameters.values())[:2], *serve_parameters()]
+    # eval_str: typer reads a __signature__ as it is, and this module's annotations are
+    # strings (a string annotation was why --config showed no help).
+    [*list(inspect.signature(serve, eval_str=True).parameters.values())[:3], *serve_parameters()]
 )
