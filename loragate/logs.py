@@ -27,6 +27,9 @@ _NAMED_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 # Shorter values are not hidden: replacing every "1" in a log would hide more than the secret.
 _MIN_SECRET_LENGTH = 4
 _secrets: set[str] = set()
+# Whether ``configure_logging`` chose JSON lines: the lines copied from the engine's output
+# to stderr (``echo_line``) take the same form as the gateway's own.
+_json_lines = False
 
 
 def _escape(match: re.Match[str]) -> str:
@@ -91,11 +94,14 @@ def _each_line_loggable(text: str) -> str:
     return "\n".join(loggable(line) for line in text.split("\n"))
 
 
+def _timestamp(created: float, msecs: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created)) + f".{int(msecs):03d}Z"
+
+
 class JsonFormatter(SafeFormatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "ts": _timestamp(record.created, record.msecs),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": loggable(record.getMessage()),
@@ -118,7 +124,19 @@ class JsonFormatter(SafeFormatter):
         return json.dumps(entry)
 
 
+def echo_line(source: str, text: str) -> str:
+    """A line another process printed (the engine's), as the gateway's stderr shows it: after
+    ``source | ``, or with ``--log-json`` as a JSON line whose logger is ``source``."""
+    if not _json_lines:
+        return f"{source} | {loggable(text)}"
+    now = time.time()
+    message = {"ts": _timestamp(now, (now % 1) * 1000), "level": "info", "logger": source}
+    return json.dumps({**message, "message": loggable(text)})
+
+
 def configure_logging(level: str = "info", as_json: bool = False) -> None:
+    global _json_lines
+    _json_lines = as_json
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if as_json else SafeFormatter(FORMAT))
     root = logging.getLogger()

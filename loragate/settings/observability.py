@@ -1,4 +1,5 @@
-"""How the gateway logs: the level, JSON lines or text, and a line per inference request."""
+"""How the gateway logs: the level, JSON lines or text, a line per inference request, and
+where the engine's own output goes (its log file, rotated by size, and the gateway's stderr)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,24 @@ class ObservabilityFields(BaseModel):
     )
     log_level: LogLevel = Field(
         default="info", description="Log level.", json_schema_extra=serve_option()
+    )
+
+    engine_log_to_stderr: bool = Field(
+        default=True,
+        description=(
+            "Also copy the engine's output to the gateway's stderr, each line after "
+            "'engine | ' (it always goes to CACHE_DIR/logs/engine.log)."
+        ),
+        json_schema_extra=serve_option("--engine-log-to-stderr/--no-engine-log-to-stderr"),
+    )
+    engine_log_max_bytes: int = Field(
+        default=20 * 1024 * 1024,
+        ge=64 * 1024,
+        description=(
+            "Rotate CACHE_DIR/logs/engine.log past this size, while the engine runs too "
+            "(engine.log.1 to .3 are kept)."
+        ),
+        json_schema_extra=serve_option(),
     )
 
     @field_validator("log_level", mode="before")

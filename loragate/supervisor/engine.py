@@ -348,7 +348,13 @@ class EngineSupervisor:
         # Off the loop: building the spec verifies every boot adapter's SHA-256 (boot_modules).
         spec = await asyncio.to_thread(self._build_spec, socket_path, api_key)
         self._served_name = spec.served_name
-        self._process.spawn(engine_argv(spec), engine_env(spec), grace=self.timings.stop_timeout)
+        self._process.spawn(
+            engine_argv(spec),
+            engine_env(spec),
+            grace=self.timings.stop_timeout,
+            log_to_stderr=spec.log_to_stderr,
+            log_max_bytes=spec.log_max_bytes,
+        )
         self.endpoint = EngineEndpoint(str(socket_path), api_key)
 
     async def _terminate(self, graceful: bool) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from loragate.engine_flags import PARALLEL_OPTIONS, engine_arg_value
 from loragate.logs import HIDDEN
+from loragate.settings.observability import ObservabilityFields
 
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
 # The gateway's own settings and credentials are none of the engine's business (its admin key
@@ -18,6 +19,14 @@ ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
 _PRIVATE_ENV_PREFIX = "LORAGATE_"
 _PASSED_ENV_PREFIX = "LORAGATE_BENCH_"
 _PRIVATE_ENV = frozenset({"DATATURE_VI_SECRET_KEY", "TINKER_API_KEY"})
+# vLLM's uvicorn logs a line per request; the gateway logs requests itself (--access-log), so
+# the engine's are off unless the engine arguments after `--` say otherwise (one of these).
+_ACCESS_LOG_FLAGS = (
+    "--disable-uvicorn-access-log",
+    "--no-disable-uvicorn-access-log",
+    "--disable-access-log-for-endpoints",
+)
+_LOG_DEFAULTS = ObservabilityFields.model_fields
 
 
 @dataclass
@@ -43,6 +52,9 @@ class EngineSpec:
     python: str = sys.executable
     command: list[str] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # Where the engine's output goes besides its log file, and when that file rotates.
+    log_to_stderr: bool = _LOG_DEFAULTS["engine_log_to_stderr"].default
+    log_max_bytes: int = _LOG_DEFAULTS["engine_log_max_bytes"].default
 
 
 def engine_argv(spec: EngineSpec) -> list[str]:
@@ -57,6 +69,8 @@ def engine_argv(spec: EngineSpec) -> list[str]:
         "--max-lora-rank", str(spec.max_lora_rank),
         "--disable-access-log-for-endpoints", "/health,/metrics,/v1/models",
     ]  # fmt: skip
+    if not any(_names_flag(arg, flag) for arg in spec.extra_args for flag in _ACCESS_LOG_FLAGS):
+        argv.append("--disable-uvicorn-access-log")
     if spec.max_cpu_loras is not None:
         argv += ["--max-cpu-loras", str(max(spec.max_cpu_loras, spec.max_loras))]
     argv += _parallel_args(spec)
@@ -67,6 +81,13 @@ def engine_argv(spec: EngineSpec) -> list[str]:
             for name, path in spec.lora_modules.items()
         ]
     return argv + list(spec.extra_args)
+
+
+def _names_flag(arg: str, flag: str) -> bool:
+    """Whether ``arg`` is ``flag`` (``--flag``, ``--flag=V``) in vLLM's dash or underscore
+    spelling (argparse takes both)."""
+    name = arg.split("=", 1)[0]
+    return name.startswith("--") and "--" + name[2:].replace("_", "-") == flag
 
 
 def _parallel_args(spec: EngineSpec) -> list[str]:

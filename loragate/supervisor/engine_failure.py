@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from loragate.supervisor.engine_exit import ExitInfo
-from loragate.supervisor.engine_log import tail_lines
+from loragate.supervisor.engine_log import BOOT_BANNER, tail_lines
 
 
 class BootFailed(Exception):
@@ -37,20 +37,20 @@ _WRAPPER_ERRORS = re.compile(
     r"failed to start|Failed core proc",
     re.IGNORECASE,
 )
-_BOOT_BANNER = "===== loragate: engine boot at"
 # Start-up errors that another attempt can fix by itself (the next boot removes a stale socket).
 _TRANSIENT_ERRORS = ("Address already in use", "EADDRINUSE")
 
 
 def last_boot_lines(log_path: Path) -> list[str]:
-    """The current boot's part of the log's last 400 lines (what failure reports read)."""
+    """The current boot's part of the log's last 400 lines (what failure reports read; from
+    the rotated file too when the boot's banner went there)."""
     return current_boot(tail_lines(log_path, 400, max_bytes=256 * 1024))
 
 
 def current_boot(lines: list[str]) -> list[str]:
     """The lines of ``lines`` written since the last boot banner (all of them if none)."""
     for index in range(len(lines) - 1, -1, -1):
-        if lines[index].startswith(_BOOT_BANNER):
+        if lines[index].startswith(BOOT_BANNER):
             return lines[index + 1 :]
     return lines
 

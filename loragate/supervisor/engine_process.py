@@ -24,11 +24,14 @@ import psutil
 from loragate.logs import hide_secrets
 from loragate.supervisor.engine_command import redacted, secret_values
 from loragate.supervisor.engine_exit import ExitInfo, exit_future
-from loragate.supervisor.engine_log import open_engine_log
+from loragate.supervisor.engine_log import EngineLogFile, EngineOutput
 from loragate.supervisor.pidfile import EnginePidFile
 from loragate.supervisor.process_tree import ENGINE_TAG, kill_boot, kill_tree_now, stop_tree
 
 log = logging.getLogger("loragate.supervisor")
+# How long a reap waits for the boot's last output to reach the log file (what failure
+# reports read next): its processes are dead by then, so the pipe is at its end.
+_OUTPUT_DRAIN_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,8 @@ class EngineProcess:
     """The launcher of the current boot (at most one at a time) and what is known of it."""
 
     def __init__(self, cache_dir: Path, log_path: Path) -> None:
-        self._log_path = log_path
+        self._log_file = EngineLogFile(log_path, max_bytes=0)  # sized by each spawn
+        self._output: EngineOutput | None = None
         self._pidfile = EnginePidFile(cache_dir)
         self._proc: subprocess.Popen[bytes] | None = None
         # (launcher pid, API server pid, its create time): see ``engine_pid``.
@@ -106,29 +110,40 @@ class EngineProcess:
         """End an engine a previous gateway left running (blocking: waits for it to go)."""
         self._pidfile.end_stale_engine()
 
-    def spawn(self, argv: list[str], env: dict[str, str], *, grace: float) -> None:
-        """Start ``argv`` under the launcher, which gives the engine ``grace`` seconds to stop."""
+    def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        grace: float,
+        log_to_stderr: bool,
+        log_max_bytes: int,
+    ) -> None:
+        """Start ``argv`` under the launcher, which gives the engine ``grace`` seconds to stop;
+        its output goes through a pipe to the log file (rotated past ``log_max_bytes``) and,
+        when ``log_to_stderr``, to the gateway's stderr."""
         env["LORAGATE_PARENT_PID"] = str(os.getpid())
         tag = secrets.token_hex(8)
         env[ENGINE_TAG] = tag
         launcher = [sys.executable, "-m", "loragate.supervisor.launcher", "--grace", f"{grace:g}"]
         launcher += ["--", *argv]
-        log_handle = open_engine_log(self._log_path)
+        self._log_file.max_bytes = log_max_bytes
+        self._log_file.start_boot()
         # The engine may print its arguments (vLLM does, and argparse quotes a bad one): its
         # secrets are hidden in every log line and tail shown from now on (``loragate.logs``).
         hide_secrets(secret_values(argv))
         log.info("spawning engine: %s", " ".join(redacted(argv)))
-        try:
-            self._proc = subprocess.Popen(
-                launcher,
-                stdin=subprocess.DEVNULL,
-                stdout=log_handle,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        finally:
-            log_handle.close()
+        self._proc = subprocess.Popen(
+            launcher,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        assert self._proc.stdout is not None
+        self._output = EngineOutput(self._proc.stdout, self._log_file, to_stderr=log_to_stderr)
+        self._output.start()
         self._boot_mark = BootMark(
             tag, self._proc.pid, psutil.Process(self._proc.pid).create_time()
         )
@@ -145,7 +160,13 @@ class EngineProcess:
         launcher itself was killed, the engine's processes are no longer under it."""
         info = self._record_exit()
         await self._sweep(self._boot_mark)
+        await self._drain_output()
         return info
+
+    async def _drain_output(self) -> None:
+        output = self._output
+        if output is not None:
+            await asyncio.to_thread(output.join, _OUTPUT_DRAIN_SECONDS)
 
     async def _sweep(self, mark: BootMark | None) -> None:
         """SIGKILL every process left of the boot ``mark`` names."""
@@ -181,3 +202,4 @@ class EngineProcess:
         await self._sweep(mark)
         if self._proc is proc:
             self._pidfile.clear()
+            await self._drain_output()

@@ -217,6 +217,8 @@ class SupervisedEngineBackend:
             extra_args=self._extra_engine_args + ENGINE_MEDIA_ARGS + list(settings.engine_args),
             python=settings.engine_python,
             command=settings.engine_command,
+            log_to_stderr=settings.engine_log_to_stderr,
+            log_max_bytes=settings.engine_log_max_bytes,
             env={
                 **engine_media_env(settings.max_image_bytes),
                 **self._engine_env,
