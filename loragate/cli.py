@@ -20,7 +20,7 @@ from loragate.cli_admin import (
     admin_request,
 )
 from loragate.cli_errors import FAILURE, fail
-from loragate.cli_serve import ServeCommand, serve
+from loragate.cli_serve import ServeCommand, demo, serve
 
 HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 app = typer.Typer(
@@ -55,6 +55,7 @@ def _root(
 
 
 app.command(cls=ServeCommand)(serve)
+app.command(cls=ServeCommand)(demo)
 
 
 @app.command()

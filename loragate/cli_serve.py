@@ -15,6 +15,13 @@ from typer.core import TyperCommand
 from loragate.cli_errors import FAILURE, USAGE, fail, fail_each, warn
 from loragate.cli_options import format_help, given_values, serve_parameters
 
+NO_MODEL = "no model: pass --model DIR|ORG/NAME|FILE.gguf, or run `gateway demo` for the demo"
+# What `gateway demo` leaves out of serve's parameters: what chooses the model, and its keys.
+DEMO_LEAVES_OUT = (
+    "model_argument", "model", "upstream_url", "run_id", "secret_key", "organization_id",
+    "as_demo",
+)  # fmt: skip
+
 
 class ServeCommand(TyperCommand):
     """``gateway serve``: its own options before ``--``, the engine's after it.
@@ -53,6 +60,8 @@ def serve(
             help="The base model, as --model (`gateway serve MODEL`, like `vllm serve MODEL`).",
         ),
     ] = None,
+    *,
+    as_demo: bool = False,  # `gateway demo`: not an option (the signature below leaves it out)
     **options: Any,
 ) -> None:
     """Start the engine and the gateway. Arguments after `--` go to the engine untouched
@@ -82,6 +91,14 @@ def serve(
     except ValueError as exc:
         fail(str(exc), USAGE)
         return
+    if as_demo:
+        settings = _demo_settings(settings)
+    else:
+        from loragate.gateway.backends.engine_plan import names_a_model
+
+        if not names_a_model(settings):
+            # Never the demo as a fallback: a unit whose environment file went missing fails.
+            fail(NO_MODEL, USAGE)
     from loragate.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_json)
@@ -153,3 +170,33 @@ serve.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
     # strings (a string annotation was why --config showed no help).
     [*list(inspect.signature(serve, eval_str=True).parameters.values())[:3], *serve_parameters()]
 )
+
+
+def demo(ctx: typer.Context, config: Path | None = None, **options: Any) -> None:
+    """Serve the bundled demo model and its adapters (built the first time, then cached).
+
+    SmolLM2-135M-Instruct with its pirate and signed adapters, or with LORAGATE_DEMO=tiny
+    the test suite's tiny model. It takes `gateway serve`'s options but those that choose
+    the model; arguments after `--` go to the engine."""
+    serve(ctx, config, as_demo=True, **options)
+
+
+# serve's options (their declarations, --config's included) minus those that choose the model.
+demo.__signature__ = inspect.signature(serve).replace(  # type: ignore[attr-defined]
+    parameters=[
+        p for p in inspect.signature(serve).parameters.values() if p.name not in DEMO_LEAVES_OUT
+    ]
+)
+
+
+def _demo_settings(settings: Any) -> Any:
+    """``settings`` serving the demo (smollm2 unless LORAGATE_DEMO or the config file picks
+    one); a model, upstream or Vi run named by the environment or the file is refused."""
+    for name in ("model", "upstream_url", "run_id"):
+        if getattr(settings, name) is not None:
+            fail(
+                f"`gateway demo` serves the bundled demo, but {name} is set (LORAGATE_"
+                f"{name.upper()} or the config file): run `gateway serve` to serve it",
+                USAGE,
+            )
+    return settings.model_copy(update={"demo": settings.demo or "smollm2"})

@@ -1,5 +1,6 @@
-"""A real `gateway serve` process, driven like a user would: for integration tests and the
-measurement scripts in scripts/ (recovery, swap latency, soak, bench)."""
+"""A real `gateway serve` (or `gateway demo`) process, driven like a user would: for
+integration tests and the measurement scripts in scripts/ (recovery, swap latency, soak,
+bench)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# The options that say what `gateway serve` serves; without one, only `gateway demo` starts.
+MODEL_OPTIONS = ("--model", "--pretrained-model-name-or-path", "--upstream-url", "--run-id")
+
+
+def names_a_model(args: list[str]) -> bool:
+    """Whether gateway options ``args`` (up to a ``--``) name a model, an upstream or a run."""
+    own = args[: args.index("--")] if "--" in args else args
+    return any(arg.split("=", 1)[0] in MODEL_OPTIONS for arg in own)
+
+
 @dataclass
 class GatewayProcess:
     cache_dir: Path
@@ -35,10 +46,11 @@ class GatewayProcess:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     health_seen: list[int] = field(default_factory=list)
-    # What starts the gateway: `gateway serve` by default, or e.g. ["scripts/serve.sh"].
+    # What starts the gateway, e.g. ["scripts/serve.sh"]; by default `gateway serve` when
+    # ``args`` name a model (or an upstream or Vi run), else `gateway demo`.
     launcher: list[str] | None = None
-    # Which bundled demo a gateway without --model serves: the tests' fast tiny model unless
-    # a test asks for the real one ("smollm2").
+    # Which bundled demo `gateway demo` serves: the tests' fast tiny model unless a test asks
+    # for the real one ("smollm2").
     demo: str = "tiny"
 
     @property
@@ -52,7 +64,7 @@ class GatewayProcess:
     def start(self) -> GatewayProcess:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         argv = [
-            *(self.launcher or [str(GATEWAY), "serve"]),
+            *(self.launcher or [str(GATEWAY), "serve" if names_a_model(self.args) else "demo"]),
             "--port", str(self.port),
             "--cache-dir", str(self.cache_dir),
             "--admin-key", ADMIN_KEY,

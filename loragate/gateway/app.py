@@ -134,7 +134,9 @@ def create_app(
     """Build the gateway app.
 
     ``backend`` may be an ``InferenceBackend`` (wrapped) or a ``GatewayBackend``. Without one,
-    the app proxies ``settings.upstream_url`` when set, and otherwise supervises a vLLM engine.
+    the app proxies ``settings.upstream_url`` when set, and otherwise supervises a vLLM engine
+    on ``settings.model`` (or the Vi run, or the demo when ``settings.demo`` asks for it;
+    ``NoModelError`` when none is named).
     """
     if settings.admin_key is None and not is_loopback(settings.host):
         raise AdminKeyRequired(
@@ -149,8 +151,10 @@ def create_app(
 
         backend = UpstreamBackend(settings)
     else:
+        from loragate.gateway.backends.engine_plan import require_model
         from loragate.gateway.backends.supervised import SupervisedEngineBackend
 
+        require_model(settings)  # the demo only when asked for, never as a fallback
         backend = SupervisedEngineBackend(settings)
     gateway = Gateway(settings, backend)
     lifecycle = BackendLifecycle(gateway, len(inference_keys))

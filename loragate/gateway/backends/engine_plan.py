@@ -1,7 +1,7 @@
 """What the engine will serve and how, decided once per gateway start before it boots.
 
-The model (the tiny demo, the SmolLM2 demo, a Datature Vi run or the user's own) with the
-adapters it boots with, then what the engine needs beyond the user's flags: tool calling,
+The model (the user's own, a Datature Vi run, or the tiny or SmolLM2 demo when asked for:
+never as a fallback) with the adapters it boots with, then what the engine needs beyond the user's flags: tool calling,
 its memory on the CPU build, loragate's CPU LoRA ops, and a check of the parallel layout.
 """
 
@@ -62,6 +62,29 @@ def timings_from(settings: Settings) -> SupervisorTimings:
     )
 
 
+class NoModelError(ValueError):
+    """Nothing to serve: no model, no upstream, no Vi run and no demo asked for. The demo is
+    never a fallback, so a unit or pod whose settings went missing fails instead of building
+    and training the demo on a production machine."""
+
+
+def names_a_model(settings: Settings) -> bool:
+    """Whether ``settings`` say what to serve, the demo aside."""
+    return any(
+        value is not None for value in (settings.model, settings.upstream_url, settings.run_id)
+    )
+
+
+def require_model(settings: Settings) -> None:
+    """Raises ``NoModelError`` unless ``settings`` name a model or a demo (``create_app``'s
+    check for an embedded gateway; ``gateway serve`` says it in its own words)."""
+    if not names_a_model(settings) and settings.demo is None:
+        raise NoModelError(
+            "no model to serve: give model= (a directory, ORG/NAME or FILE.gguf), upstream_url= "
+            "or a backend, or demo='smollm2' (or 'tiny') for the bundled demo"
+        )
+
+
 def parse_lora_flag(value: str) -> tuple[str, str]:
     name, sep, source = value.partition("=")
     if not sep or not name or not source:
@@ -104,6 +127,7 @@ async def plan_engine(settings: Settings, cache_dir: Path) -> EnginePlan:
 
 async def _choose_model(settings: Settings, cache_dir: Path) -> tuple[EnginePlan, str | None]:
     """The model and its boot adapters; with the tool-call parser to ask for."""
+    require_model(settings)
     tool_parser = settings.tool_call_parser
     boot_loras = [parse_lora_flag(value) for value in settings.lora]
     extra_args: list[str] = []
@@ -120,7 +144,7 @@ async def _choose_model(settings: Settings, cache_dir: Path) -> tuple[EnginePlan
         ] + boot_loras
         if not any(arg.startswith("--dtype") for arg in settings.engine_args):
             extra_args = list(SMOLLM_ENGINE_ARGS)
-    elif settings.model is None:
+    elif settings.model is None:  # the tiny demo (require_model: it was asked for)
         demo = await asyncio.to_thread(ensure_demo, None, settings.engine_python)
         model_dir = demo_base_dir(demo)
         # The demo's template asks for calls in the pythonic form (not Llama 3's JSON).
