@@ -78,15 +78,24 @@ def pull(
     pkg://DIST/PATH), which is also dequantized once into the cache.
     """
     from loragate.adapters.models import resolve_base_model
+    from loragate.adapters.progress import WaitProgress, current_progress
+    from loragate.cli_progress import run_showing_progress, stderr_echo
     from loragate.demo.layout import default_cache_dir
 
-    try:
-        path = resolve_base_model(
+    # The download's bytes and a dequantization's tensors, as one line on stderr.
+    record = WaitProgress(name=model, source=model, stage="prepare")
+
+    def fetch() -> Path:
+        current_progress.set(record)  # this thread's own context
+        return resolve_base_model(
             model,
             (cache_dir or default_cache_dir()).expanduser(),
             progress=True,
             python=engine_python,
         )
+
+    try:
+        path = run_showing_progress(fetch, record.as_dict, record.started_at, stderr_echo)
     except Exception as exc:
         fail(str(exc), FAILURE)
         return

@@ -1,4 +1,4 @@
-"""Progress of a long admin call, shown while it runs: ``gateway adapters add``.
+"""Progress of a long call, shown while it runs: ``gateway adapters add``, ``gateway pull``.
 
 The gateway keeps one record per adapter add (stage, bytes, percent: see
 ``loragate.adapters.progress``) and serves it at ``GET /admin/adapters/{name}``; the status
@@ -22,6 +22,9 @@ def progress_line(record: dict[str, Any] | None) -> str | None:
     if not record or record.get("finished"):
         return None
     stage = str(record.get("stage", ""))
+    if record.get("steps_total"):  # a dequantization's tensors
+        done, steps = int(record.get("steps_done") or 0), int(record["steps_total"])
+        return f"  {stage} {record.get('percent') or 0:.0f}% ({done} of {steps})"
     if stage != "download":
         return f"  {stage}..."
     done, total = int(record.get("bytes_done") or 0), record.get("bytes_total")
