@@ -160,8 +160,9 @@ def render_unit(
     service += [
         "Restart=on-failure",
         "RestartSec=5",
-        # The engine's first boot compiles and loads weights; minutes are normal.
-        "TimeoutStartSec=900",
+        # A start that downloads, dequantizes or boots sends EXTEND_TIMEOUT_USEC= (30 s from
+        # now) every 10 s (sd_notify.extend_start_while): this bounds only a silent start.
+        "TimeoutStartSec=300",
         "TimeoutStopSec=60",
         "WatchdogSec=60",
         "KillMode=mixed",

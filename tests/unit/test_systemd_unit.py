@@ -54,7 +54,7 @@ def test_system_unit_is_type_notify_with_watchdog_and_mixed_kill(tmp_path: Path)
         "CacheDirectory=loragate",
         "Restart=on-failure",
         "RestartSec=5",
-        "TimeoutStartSec=900",
+        "TimeoutStartSec=300",
         "TimeoutStopSec=60",
         "WatchdogSec=60",
         "KillMode=mixed",
