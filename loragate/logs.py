@@ -15,7 +15,8 @@ import json
 import logging
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
@@ -30,6 +31,9 @@ _secrets: set[str] = set()
 # Whether ``configure_logging`` chose JSON lines: the lines copied from the engine's output
 # to stderr (``echo_line``) take the same form as the gateway's own.
 _json_lines = False
+# The ids of the request being served (the gateway sets them as it admits one): every JSON
+# line written for it carries them, not only the access log's.
+request_ids: ContextVar[Mapping[str, str] | None] = ContextVar("loragate_log_ids", default=None)
 
 
 def _escape(match: re.Match[str]) -> str:
@@ -119,6 +123,8 @@ class JsonFormatter(SafeFormatter):
             value = getattr(record, key, None)
             if value is not None:
                 entry[key] = loggable(value) if isinstance(value, str) else value
+        for key, value in (request_ids.get() or {}).items():
+            entry.setdefault(key, loggable(value))
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)

@@ -1,8 +1,8 @@
 """W3C trace context: a client's ``traceparent`` / ``tracestate`` go on to the engine.
 
 vLLM reads these headers when it runs with OpenTelemetry (``--otlp-traces-endpoint``), so
-its spans join the client's trace; the gateway's access log carries the trace id too, to find
-one request in both logs. A malformed ``traceparent`` is dropped (the W3C rule: start a new
+its spans join the client's trace; the gateway's access log, and every JSON log line written
+while the request is served, carry the trace id too, to find one request in both logs. A malformed ``traceparent`` is dropped (the W3C rule: start a new
 trace rather than pass on garbage), and ``tracestate`` only travels with a valid one.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from contextvars import ContextVar
+
+from loragate.logs import request_ids
 
 # version "00": 2-hex version, 32-hex trace id, 16-hex parent id, 2-hex flags; later versions
 # may append fields after another dash.
@@ -36,6 +38,18 @@ def trace_headers_of(headers: Mapping[str, str]) -> dict[str, str]:
     if state and len(state) <= _MAX_TRACESTATE and state.isprintable():
         found["tracestate"] = state.strip()
     return found
+
+
+def start_trace(headers: Mapping[str, str], request_id: str) -> dict[str, str] | None:
+    """The trace headers a request passes on to the engine (kept in ``current_trace``); and
+    the log lines written while it is served carry its ids from now on (``request_ids``)."""
+    trace = trace_headers_of(headers) if "traceparent" in headers else None
+    current_trace.set(trace)
+    ids = {"request_id": request_id}
+    if trace:
+        ids["trace_id"] = trace["traceparent"].split("-")[1]
+    request_ids.set(ids)
+    return trace
 
 
 def outgoing_trace_headers() -> dict[str, str]:

@@ -17,9 +17,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from starlette.responses import Response
 
 from loragate.gateway.app import create_app
 from loragate.logs import JsonFormatter, configure_logging, echo_line
@@ -233,16 +235,25 @@ def test_the_engine_logs_no_line_per_request_unless_its_own_arguments_say() -> N
     assert argv("--disable-uvicorn-access-log").count("--disable-uvicorn-access-log") == 1
 
 
-async def test_a_json_access_log_line_carries_the_trace_and_request_ids(tmp_path: Path) -> None:
+class _TalkativeBackend(RecordingBackend):
+    """Logs a line of its own while it answers, as the adapter manager or the proxy do."""
+
+    async def forward(self, *args: Any, **kwargs: Any) -> Response:
+        logging.getLogger("loragate.gateway").warning("answering from the backend")
+        return await super().forward(*args, **kwargs)
+
+
+async def test_json_log_lines_of_a_request_carry_its_trace_and_request_ids(tmp_path: Path) -> None:
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter())
-    access = logging.getLogger("loragate.access")
-    level = access.level
-    access.addHandler(handler)
-    access.setLevel(logging.INFO)
+    loggers = [logging.getLogger(name) for name in ("loragate.access", "loragate.gateway")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     trace = "4bf92f3577b34da6a3ce929d0e0e4736"
-    app = create_app(settings_for(tmp_path, access_log=True), backend=RecordingBackend())
+    app = create_app(settings_for(tmp_path, access_log=True), backend=_TalkativeBackend())
     try:
         async with (
             app.router.lifespan_context(app),
@@ -250,14 +261,18 @@ async def test_a_json_access_log_line_carries_the_trace_and_request_ids(tmp_path
                 transport=httpx.ASGITransport(app), base_url="http://127.0.0.1"
             ) as client,
         ):
+            stream.truncate(0)
+            stream.seek(0)
             await client.post(
                 "/v1/chat/completions",
                 json={"model": "base", "messages": [{"role": "user", "content": "hi"}]},
                 headers={"traceparent": f"00-{trace}-00f067aa0ba902b7-01", "x-request-id": "r1"},
             )
     finally:
-        access.removeHandler(handler)
-        access.setLevel(level)
-    entries = [json.loads(line) for line in stream.getvalue().splitlines()]
-    assert entries, "no access line"
-    assert entries[-1]["trace_id"] == trace and entries[-1]["request_id"] == "r1"
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    entries = {entry["logger"]: entry for entry in map(json.loads, stream.getvalue().splitlines())}
+    for name in ("loragate.access", "loragate.gateway"):
+        assert entries[name]["trace_id"] == trace and entries[name]["request_id"] == "r1", entries
+    assert entries["loragate.gateway"]["message"] == "answering from the backend"

@@ -26,7 +26,7 @@ from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.metrics import current_observation
 from loragate.gateway.requests.body import read_json_object
 from loragate.gateway.runtime import Gateway
-from loragate.gateway.tracing import current_trace, trace_headers_of
+from loragate.gateway.tracing import start_trace
 
 router = APIRouter()
 
@@ -48,8 +48,7 @@ def admit(gateway: Gateway, request: HasHeaders) -> str:
     id (recorded for the metrics and the access log). The W3C trace headers are kept for the
     request to the engine (``tracing``)."""
     request_id = _request_id(request.headers)
-    trace = trace_headers_of(request.headers) if "traceparent" in request.headers else None
-    current_trace.set(trace)
+    trace = start_trace(request.headers, request_id)
     observation = current_observation.get()
     if observation is not None:
         observation.request_id = request_id
