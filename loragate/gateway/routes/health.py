@@ -8,6 +8,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from loragate.adapters.progress import WaitProgress
 from loragate.gateway.runtime import Gateway
 from loragate.logs import loggable_in
 
@@ -34,11 +35,10 @@ def _start_progress(gateway: Gateway) -> dict[str, Any] | None:
     """The start's progress record (stage, bytes, percent, rate, description) while the
     gateway downloads its base model, dequantizes a GGUF or boots the engine; only a
     backend that starts its own engine has one."""
-    describe = getattr(gateway.backend, "describe_start", None)
-    if describe is None or describe() is None:
+    record = getattr(gateway.backend, "start_progress", None)
+    if not isinstance(record, WaitProgress) or gateway.backend.describe_start() is None:  # type: ignore[attr-defined]
         return None
-    record: dict[str, Any] = gateway.backend.start_progress.as_dict()  # type: ignore[attr-defined]
-    return record
+    return record.as_dict()
 
 
 @router.get("/health/live")
