@@ -6,6 +6,7 @@ build and train the demo on a production machine."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,10 @@ class _Reached(Exception):
 
 
 @pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """No LORAGATE_* setting from the machine running the tests, and nothing that starts:
     logging stays the test's, preflight and the tool-parser check are not run, and building
     the app raises ``_Reached`` with the settings it was given."""
-    import os
-
     for name in list(os.environ):
         if name.startswith("LORAGATE_"):
             monkeypatch.delenv(name)
@@ -60,7 +59,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     monkeypatch.setattr(
         "loragate.supervisor.tool_parsers.check_tool_parser", lambda *args: started.append("tools")
     )
-    return {"started": started}  # type: ignore[dict-item]
+    return {"started": started}
 
 
 def _lines(output: str) -> list[str]:
