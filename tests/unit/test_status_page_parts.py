@@ -13,7 +13,7 @@ import pytest
 from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.manifest import Manifest
 from loragate.adapters.pipeline import PreparedVersion
-from loragate.adapters.progress import AddProgress, report_bytes, report_stage
+from loragate.adapters.progress import WaitProgress, report_bytes, report_stage
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore
 from loragate.gateway.log_tail import engine_lines, gateway_lines, merged
@@ -77,7 +77,7 @@ async def test_a_failed_add_keeps_its_reason_on_the_board(tmp_path: Path) -> Non
 
 
 def test_progress_percent_is_known_only_with_a_size() -> None:
-    record = AddProgress(name="a", source="s")
+    record = WaitProgress(name="a", source="s")
     assert record.percent is None
     record.bytes_done, record.bytes_total = 50, 200
     assert record.percent == 25.0
