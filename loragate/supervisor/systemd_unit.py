@@ -159,6 +159,8 @@ def render_unit(
         ]
     service += [
         "Restart=on-failure",
+        # Exit code 2 is a usage error (no model, a bad setting): restarting would repeat it.
+        "RestartPreventExitStatus=2",
         "RestartSec=5",
         # A start that downloads, dequantizes or boots sends EXTEND_TIMEOUT_USEC= (30 s from
         # now) every 10 s (sd_notify.extend_start_while): this bounds only a silent start.

@@ -53,6 +53,7 @@ def test_system_unit_is_type_notify_with_watchdog_and_mixed_kill(tmp_path: Path)
         "StateDirectory=loragate",
         "CacheDirectory=loragate",
         "Restart=on-failure",
+        "RestartPreventExitStatus=2",
         "RestartSec=5",
         "TimeoutStartSec=300",
         "TimeoutStopSec=60",
