@@ -24,6 +24,7 @@ from loragate.gateway.openapi_schemas import install_openapi
 from loragate.gateway.routes import admin, health, inference, metrics, passthrough, status, ui
 from loragate.gateway.runtime import Gateway
 from loragate.gateway.security_headers import SecurityHeaders
+from loragate.gateway.spans import enable_spans
 from loragate.settings import Settings
 
 log = logging.getLogger("loragate.gateway")
@@ -156,6 +157,7 @@ def create_app(
 
         require_model(settings)  # the demo only when asked for, never as a fallback
         backend = SupervisedEngineBackend(settings)
+    enable_spans(settings)  # imports OpenTelemetry only when an endpoint is set
     gateway = Gateway(settings, backend)
     lifecycle = BackendLifecycle(gateway, len(inference_keys))
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from loragate.gateway import spans
 from loragate.gateway.routes.engine_allow_list import engine_route
 from loragate.gateway.traffic import RecentTraffic
 from loragate.logs import loggable
@@ -333,6 +334,8 @@ def settle(
     metrics.in_flight -= 1
     ended = observation.finished or time.perf_counter()
     metrics.record(route, observation, ended)
+    if spans.tracer is not None:
+        spans.end_request(route, observation)
     if access_log_enabled:
         log_access(scope, observation, ended)
 

@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping
 from contextvars import ContextVar
 
+from loragate.gateway import spans
 from loragate.logs import request_ids
 
 # version "00": 2-hex version, 32-hex trace id, 16-hex parent id, 2-hex flags; later versions
@@ -44,14 +45,21 @@ def start_trace(headers: Mapping[str, str], request_id: str) -> dict[str, str] |
     """The trace headers a request passes on to the engine (kept in ``current_trace``); and
     the log lines written while it is served carry its ids from now on (``request_ids``)."""
     trace = trace_headers_of(headers) if "traceparent" in headers else None
-    current_trace.set(trace)
     ids = {"request_id": request_id}
+    if spans.tracer is not None:
+        # The gateway's own spans (``spans``): the request's root span is the client's
+        # child, and its trace (a new one without a client's) is the request's.
+        trace = spans.begin_request(trace)
     if trace:
         ids["trace_id"] = trace["traceparent"].split("-")[1]
+    current_trace.set(trace)
     request_ids.set(ids)
     return trace
 
 
 def outgoing_trace_headers() -> dict[str, str]:
-    """The current request's trace headers, for a request to the engine ({} when none)."""
+    """The current request's trace headers, for a request to the engine ({} when none);
+    with the gateway's spans on, the current span's (the engine's spans are its children)."""
+    if spans.tracer is not None:
+        return spans.outgoing_traceparent()
     return current_trace.get() or {}

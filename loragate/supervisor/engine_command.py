@@ -55,6 +55,8 @@ class EngineSpec:
     # Where the engine's output goes besides its log file, and when that file rotates.
     log_to_stderr: bool = _LOG_DEFAULTS["engine_log_to_stderr"].default
     log_max_bytes: int = _LOG_DEFAULTS["engine_log_max_bytes"].default
+    # The engine's spans go there too, joining the gateway's traces (vLLM's flag).
+    otlp_traces_endpoint: str | None = None
 
 
 def engine_argv(spec: EngineSpec) -> list[str]:
@@ -74,6 +76,10 @@ def engine_argv(spec: EngineSpec) -> list[str]:
     if spec.max_cpu_loras is not None:
         argv += ["--max-cpu-loras", str(max(spec.max_cpu_loras, spec.max_loras))]
     argv += _parallel_args(spec)
+    if spec.otlp_traces_endpoint and not any(
+        _names_flag(arg, "--otlp-traces-endpoint") for arg in spec.extra_args
+    ):
+        argv += ["--otlp-traces-endpoint", spec.otlp_traces_endpoint]
     if spec.lora_modules:
         argv.append("--lora-modules")
         argv += [

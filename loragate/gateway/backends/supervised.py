@@ -25,6 +25,7 @@ from loragate.adapters.progress import WaitProgress, current_progress
 from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.stats import AdapterStats
 from loragate.adapters.wiring import adapter_manager_for
+from loragate.gateway import spans
 from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
 from loragate.gateway.backends.engine_names import AnyVersionRename
@@ -219,6 +220,7 @@ class SupervisedEngineBackend:
             command=settings.engine_command,
             log_to_stderr=settings.engine_log_to_stderr,
             log_max_bytes=settings.engine_log_max_bytes,
+            otlp_traces_endpoint=settings.otlp_traces_endpoint,
             env={
                 **engine_media_env(settings.max_image_bytes),
                 **self._engine_env,
@@ -312,7 +314,8 @@ class SupervisedEngineBackend:
                 rename: Rename | None = AnyVersionRename(manager.base_engine_id, self.base_name)
                 on_done: Callable[[], None] = _nothing
             else:
-                engine_id = await self._lease(manager, call.public_model, deadline)
+                with spans.step(spans.LEASE):
+                    engine_id = await self._lease(manager, call.public_model, deadline)
                 rename = Rename.of(engine_id, call.public_model)
                 on_done = functools.partial(self._request_done, manager, engine_id)
             headers = {

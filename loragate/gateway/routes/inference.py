@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 from starlette.types import Receive
 
+from loragate.gateway import spans
 from loragate.gateway.auth import HasHeaders
 from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.metrics import current_observation
@@ -54,7 +55,8 @@ def admit(gateway: Gateway, request: HasHeaders) -> str:
         observation.request_id = request_id
         if trace:
             observation.trace_id = trace["traceparent"].split("-")[1]
-    _check_source(gateway, request)
+    with spans.step(spans.ADMIT):
+        _check_source(gateway, request)
     return request_id
 
 
@@ -97,12 +99,14 @@ async def list_models(request: Request) -> Response:
 
 
 async def chat_completions(gateway: Gateway, request_id: str, payload: dict[str, Any]) -> Response:
-    payload = await gateway.chat_request(payload)
+    with spans.step(spans.CHECK):
+        payload = await gateway.chat_request(payload)
     return await _forward(gateway, "/v1/chat/completions", payload, request_id)
 
 
 async def completions(gateway: Gateway, request_id: str, payload: dict[str, Any]) -> Response:
-    gateway.check_generation_limits(payload)
+    with spans.step(spans.CHECK):
+        gateway.check_generation_limits(payload)
     return await _forward(gateway, "/v1/completions", payload, request_id)
 
 
@@ -115,7 +119,8 @@ async def _forward(
     if observation is not None:
         observation.model = model
         observation.stream = stream
-    response = await gateway.backend.forward(path, payload, model, stream, request_id)
+    with spans.upstream_step():
+        response = await gateway.backend.forward(path, payload, model, stream, request_id)
     if response.status_code == 404:
         return _explain_pooling_engine(response, path)
     return response
