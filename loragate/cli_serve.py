@@ -106,7 +106,9 @@ def serve(
         from loragate.supervisor.tool_parsers import ToolParserError, check_tool_parser
 
         try:
-            check_tool_parser(settings.tool_call_parser, settings.engine_python)
+            check_tool_parser(
+                settings.tool_call_parser, settings.engine_python, settings.engine_args
+            )
         except ToolParserError as exc:
             fail(str(exc), USAGE)
     if settings.engine_command is None and settings.upstream_url is None:

@@ -27,6 +27,8 @@ class EngineClient:
     def __init__(self, supervisor: EngineSupervisor, timeout: float = 300.0) -> None:
         self._supervisor = supervisor
         self._timeout = timeout
+        # The context length the engine's model list gave, at its last boot (None: not yet).
+        self.max_model_len: int | None = None
 
     async def _send(
         self, method: str, path: str, body: dict[str, str] | None = None
@@ -65,11 +67,21 @@ class EngineClient:
                 f"the engine's model list answered HTTP {response.status}: {_detail(response)}"
             )
         listing = _json(response)
+        self.max_model_len = listed_max_model_len(listing)
         items = listing.get("data", []) if isinstance(listing, dict) else []
         return {item["id"] for item in items if isinstance(item, dict) and "id" in item}
 
     async def aclose(self) -> None:
         """Nothing to close: each call has its own connection (kept for the backend's stop)."""
+
+
+def listed_max_model_len(listing: Any) -> int | None:
+    """The ``max_model_len`` of the first entry of an OpenAI model list (vLLM gives every
+    entry, base and adapters, the engine's one context length); None when it has none."""
+    items = listing.get("data") if isinstance(listing, dict) else None
+    first = items[0] if isinstance(items, list) and items else None
+    value = first.get("max_model_len") if isinstance(first, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _json(response: oneshot.PlainResponse) -> Any:

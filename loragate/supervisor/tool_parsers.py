@@ -19,7 +19,9 @@ arguments.
 The names are read from the engine's installed vLLM (the ``_TOOL_PARSERS_TO_REGISTER`` table
 in ``vllm/tool_parsers/__init__.py``, parsed, not imported: importing vLLM would import torch
 into the gateway); ``VLLM_032_TOOL_PARSERS`` is the checked fallback when that file cannot be
-read, and a unit test compares it with the installed vLLM.
+read, and a unit test compares it with the installed vLLM. A parser registered by a plugin
+file (vLLM's ``--tool-parser-plugin FILE`` after ``--``) is accepted by name: the names its
+``@ToolParserManager.register_module`` decorators write are read from the file.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ import json
 import logging
 import subprocess
 import sys
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from loragate.engine_flags import engine_arg_value
 
 log = logging.getLogger("loragate.supervisor")
 
@@ -188,9 +193,51 @@ def _vllm_dir(python: str) -> Path | None:
     return Path(found) if found else None
 
 
-def check_tool_parser(name: str, python: str = sys.executable) -> str:
-    """``name`` when the engine's vLLM knows it; else a ``ToolParserError`` listing the names."""
-    known = installed_tool_parsers(python)
+def plugin_parser_names(plugin: Path) -> frozenset[str] | None:
+    """The parser names a ``--tool-parser-plugin`` file registers with
+    ``@ToolParserManager.register_module(...)`` (a name, a list of names, or none: the
+    class's name), read without running it; None when a name is not written literally.
+    ``ToolParserError`` when the file cannot be read or parsed (the engine would not start)."""
+    try:
+        tree = ast.parse(plugin.read_text(encoding="utf-8"), filename=str(plugin))
+    except (OSError, UnicodeDecodeError, SyntaxError) as exc:
+        raise ToolParserError(f"--tool-parser-plugin {plugin}: cannot be read: {exc}") from None
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for decorator in node.decorator_list:
+            call = decorator if isinstance(decorator, ast.Call) else None
+            func = call.func if call is not None else decorator
+            if not (isinstance(func, ast.Attribute) and func.attr == "register_module"):
+                continue
+            given = call.args[0] if call is not None and call.args else None
+            if call is not None:
+                given = next((k.value for k in call.keywords if k.arg == "name"), given)
+            if given is None or (isinstance(given, ast.Constant) and given.value is None):
+                names.add(node.name)
+                continue
+            try:
+                value = ast.literal_eval(given)
+            except ValueError:
+                return None  # a name computed at import time: only the engine can tell
+            names.update([value] if isinstance(value, str) else map(str, value))
+    return frozenset(names)
+
+
+def check_tool_parser(
+    name: str, python: str = sys.executable, engine_args: Iterable[str] = ()
+) -> str:
+    """``name`` when the engine's vLLM knows it, or a ``--tool-parser-plugin`` among the
+    engine arguments registers it; else a ``ToolParserError`` listing the names."""
+    known = set(installed_tool_parsers(python))
+    plugin = engine_arg_value(list(engine_args), "--tool-parser-plugin")
+    if plugin:
+        registered = plugin_parser_names(Path(plugin).expanduser())
+        if registered is None:
+            log.info("tool calling: %s registers names loragate cannot read; trusting it", plugin)
+            return name
+        known |= registered
     if name not in known:
         raise ToolParserError(
             f"--tool-call-parser {name!r} is not one vLLM knows; choose one of: "
@@ -276,7 +323,7 @@ def tool_engine_args(
         log.info("tool calling: off (--tool-call-parser none)")
         return []
     if setting is not None:
-        parser, why = check_tool_parser(setting, python), "--tool-call-parser"
+        parser, why = check_tool_parser(setting, python, engine_args), "--tool-call-parser"
     else:
         parser, why = pick_tool_parser(model_dir, config)
         if parser is not None and parser not in installed_tool_parsers(python):

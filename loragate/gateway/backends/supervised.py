@@ -25,6 +25,7 @@ from loragate.adapters.progress import WaitProgress, current_progress
 from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.stats import AdapterStats
 from loragate.adapters.wiring import adapter_manager_for
+from loragate.engine_flags import engine_arg_value
 from loragate.gateway import spans
 from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
@@ -228,6 +229,14 @@ class SupervisedEngineBackend:
         )
 
     # ----- what the routes ask --------------------------------------------------------------
+
+    def max_model_len(self) -> int | None:
+        """The engine's context length: from its model list once it has booted, else from a
+        ``--max-model-len`` after ``--``."""
+        if self.engine.max_model_len is not None:
+            return self.engine.max_model_len
+        given = engine_arg_value(list(self.settings.engine_args), "--max-model-len")
+        return int(given) if given is not None and given.isdigit() else None
 
     def model_ids(self) -> list[str]:
         if self.manager is None:

@@ -27,6 +27,7 @@ from loragate.gateway.proxy import ProxyClient, Rename
 from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.http import oneshot
 from loragate.settings import Settings
+from loragate.supervisor.engine_client import listed_max_model_len
 
 log = logging.getLogger("loragate.gateway")
 
@@ -64,6 +65,7 @@ class UpstreamBackend:
         self._timeout = settings.probe_timeout
         self.proxy = ProxyClient(silence_limit=settings.upstream_timeout or None)
         self._upstream_ids: list[str] = []
+        self._max_model_len: int | None = None
         self._ready = False
         self._reason = "not asked yet"
         self._watch_task: asyncio.Task[None] | None = None
@@ -104,6 +106,7 @@ class UpstreamBackend:
             return
         try:
             self._upstream_ids = _model_ids(models.json())
+            self._max_model_len = listed_max_model_len(models.json())
         except ValueError as exc:
             self._not_ready(f"upstream {self.shown_base}/models: {exc}")
             return
@@ -132,6 +135,10 @@ class UpstreamBackend:
         if public == self.alias:
             return self._aliased_id() or public
         return public
+
+    def max_model_len(self) -> int | None:
+        """The context length the upstream's model list gives, if it gives one."""
+        return self._max_model_len
 
     def model_ids(self) -> list[str]:
         aliased = self._aliased_id()

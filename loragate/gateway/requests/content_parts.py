@@ -1,5 +1,5 @@
 """Content parts, checked: text as it is, every image through the media policy and on with a
-data URI, no URL the engine would fetch. ``check_part`` takes one part of a chat message (and
+data URI (an Anthropic image block's ``source`` as base64), no URL the engine would fetch. ``check_part`` takes one part of a chat message (and
 brings it to OpenAI's ``image_url`` shape); ``check_body_media`` walks any other body the
 gateway forwards, whatever the route and wherever the parts sit, and checks them in place."""
 
@@ -177,6 +177,9 @@ async def _check_in_place(
             param=f"{where}.file_id",
             code="unsupported_content_part",
         )
+    if kind == "image" and "source" in part and "image" not in part:
+        part["source"] = await _checked_anthropic_source(part["source"], where, media, budget)
+        return
     field = "image" if kind == "image" else "image_url"
     value = part.get(field)
     if is_image_type(kind) or _url_of(value) is not None:
@@ -199,6 +202,30 @@ async def _check_in_place(
                 param=f"{where}.{field}",
                 code="unsupported_content_part",
             )
+
+
+async def _checked_anthropic_source(
+    source: object, where: str, media: MediaPolicy, budget: ImageBudget
+) -> dict[str, str]:
+    """An Anthropic image block's ``source`` (``{"type": "url", "url"}`` or ``{"type":
+    "base64", "media_type", "data"}``) through the image policy, as a base64 source: vLLM's
+    ``/v1/messages`` would fetch a URL source itself."""
+    param = f"{where}.source"
+    kind = source.get("type") if isinstance(source, dict) else None
+    if not isinstance(source, dict) or kind not in ("url", "base64"):
+        raise _bad(
+            f"{param} must be an image source of type 'url' or 'base64'; this gateway has no "
+            "file store for other kinds.",
+            param=param,
+            code="unsupported_content_part",
+        )
+    if kind == "url":
+        url = source.get("url")
+    else:
+        url = f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
+    checked = await media.image(url, f"{param}.{'url' if kind == 'url' else 'data'}", budget)
+    header, _, data = checked.partition(",")
+    return {"type": "base64", "media_type": header[5:].split(";", 1)[0], "data": data}
 
 
 async def check_forwarded_media(body: dict[str, Any], settings: Settings) -> None:

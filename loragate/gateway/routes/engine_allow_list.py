@@ -33,6 +33,10 @@ _AUDIO_HINT = (
 _RESPONSES_HINT = (
     "This engine does not serve the Responses API for its model. Use /v1/chat/completions."
 )
+_MESSAGES_HINT = (
+    "vLLM serves Anthropic's {path} only for a generation model; this gateway's engine runs "
+    "another kind of model (a pooling model: --runner pooling)."
+)
 _STORE_HINT = (
     "This engine keeps no responses: start the gateway with the environment variable "
     "VLLM_ENABLE_RESPONSES_API_STORE=1 (the engine inherits it) to retrieve or cancel them "
@@ -56,6 +60,9 @@ ENGINE_ROUTES: tuple[EngineRoute, ...] = (
     EngineRoute("/v1/responses", "POST", "json", _RESPONSES_HINT, streams=True),
     EngineRoute("/v1/responses/{id}", "GET", "plain", _STORE_HINT, streams=True),
     EngineRoute("/v1/responses/{id}/cancel", "POST", "plain", _STORE_HINT),
+    # Anthropic's Messages API (Claude Code, the Anthropic SDK): vllm/entrypoints/anthropic.
+    EngineRoute("/v1/messages", "POST", "json", _MESSAGES_HINT, streams=True),
+    EngineRoute("/v1/messages/count_tokens", "POST", "json", _MESSAGES_HINT),
     EngineRoute("/v1/embeddings", "POST", "json", _POOLING_HINT),
     EngineRoute("/pooling", "POST", "json", _POOLING_HINT),
     EngineRoute("/v1/score", "POST", "json", _POOLING_HINT),

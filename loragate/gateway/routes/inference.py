@@ -84,18 +84,26 @@ async def list_models(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     _check_source(gateway, request)
     ids = gateway.backend.model_ids()
-    created = int(gateway.started_at)
-    data = [
-        {
-            "id": model,
-            "object": "model",
-            "created": created,
-            "owned_by": "loragate",
-            "parent": None if index == 0 else ids[0],
-        }
-        for index, model in enumerate(ids)
-    ]
+    data = [model_entry(gateway, model, ids) for model in ids]
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
+
+def model_entry(gateway: Gateway, model: str, ids: list[str]) -> dict[str, Any]:
+    """One ``/v1/models`` entry (``ids``: the public ids, base first), with the engine's
+    ``max_model_len`` as vLLM's own entries carry it (clients size their context from it)
+    when the backend knows it."""
+    entry: dict[str, Any] = {
+        "id": model,
+        "object": "model",
+        "created": int(gateway.started_at),
+        "owned_by": "loragate",
+        "parent": None if model == ids[0] else ids[0],
+    }
+    known = getattr(gateway.backend, "max_model_len", None)
+    max_model_len = known() if callable(known) else None
+    if max_model_len is not None:
+        entry["max_model_len"] = max_model_len
+    return entry
 
 
 async def chat_completions(gateway: Gateway, request_id: str, payload: dict[str, Any]) -> Response:

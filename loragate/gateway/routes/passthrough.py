@@ -34,7 +34,12 @@ from loragate.gateway.requests.body import check_declared_length, read_json_obje
 from loragate.gateway.requests.content_parts import check_forwarded_media
 from loragate.gateway.requests.responses import check_responses_request
 from loragate.gateway.routes.engine_allow_list import ENGINE_ROUTES, EngineRoute
-from loragate.gateway.routes.inference import admit, target_model, unless_client_leaves
+from loragate.gateway.routes.inference import (
+    admit,
+    model_entry,
+    target_model,
+    unless_client_leaves,
+)
 from loragate.gateway.runtime import Gateway
 
 router = APIRouter()
@@ -52,13 +57,7 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
     ids = gateway.backend.model_ids()
     if model_id not in ids:
         raise model_not_found(model_id, ids)
-    entry = {
-        "id": model_id,
-        "object": "model",
-        "created": int(gateway.started_at),
-        "owned_by": "loragate",
-        "parent": None if model_id == ids[0] else ids[0],
-    }
+    entry = model_entry(gateway, model_id, ids)
     return Response(orjson.dumps(entry), media_type="application/json")
 
 
