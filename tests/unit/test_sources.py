@@ -817,3 +817,41 @@ def test_a_source_in_an_unknown_users_home_is_a_clear_error(tmp_path: Path) -> N
     """The fuzzer found ``~user`` of a user that does not exist: a 500 before."""
     with pytest.raises(SourceError, match="home directory of an unknown user"):
         fetch_source("~no-such-user-4e1f/adapter", tmp_path / "dest")
+
+
+# -- bare hub ids (org/repo, as vLLM's --lora-modules takes them) ------------------------------
+
+
+def test_bare_hub_id_is_fetched_from_the_hub(
+    fake_hub: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no local acme/lora here
+    fetched = fetch_source("acme/lora@v1.2", tmp_path / "dest", progress=False)
+    assert (fake_hub[0]["repo_id"], fake_hub[0]["revision"]) == ("acme/lora", "v1.2")
+    assert (fetched.path / "adapter_config.json").is_file()
+    fetch_source("acme/lora", tmp_path / "dest2", progress=False)
+    assert fake_hub[1]["repo_id"] == "acme/lora"
+
+
+def test_bare_id_that_is_a_local_directory_is_used_in_place(
+    fake_hub: list[dict[str, Any]], adapter_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(adapter_dir.parent)
+    local = adapter_dir.parent / "acme" / "lora"
+    local.mkdir(parents=True)
+    for item in adapter_dir.iterdir():
+        (local / item.name).write_bytes(item.read_bytes())
+    assert fetch_source("acme/lora", adapter_dir.parent / "dest3").path.resolve() == local
+    assert fake_hub == []
+
+
+@pytest.mark.parametrize(
+    "missing", ["/srv/acme/lora", "./acme/lora", "~/acme/lora", "a/b/c", "acme/lora.tar.gz"]
+)
+def test_missing_path_that_looks_like_a_path_still_says_it_is_missing(
+    fake_hub: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SourceError, match="not an existing directory or archive"):
+        fetch_source(missing, tmp_path / "dest")
+    assert fake_hub == []

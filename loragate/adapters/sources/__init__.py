@@ -5,7 +5,8 @@ Source forms, one module each:
 - ``local``: a local directory (used in place) or a local ``.tar`` / ``.tar.gz`` / ``.tgz`` /
   ``.zip``;
 - ``hub``: ``hf://ORG/REPO[@REV][/SUBDIR]``, a Hugging Face repo, pinned to the commit it
-  resolved to;
+  resolved to; a bare ``ORG/REPO[@REV]`` that is no local path means the same (as vLLM's
+  ``--lora-modules`` reads it): ``hub_source_of``;
 - ``url``: ``https://...`` / ``http://...``, an archive, streamed with a size cap and resumed
   on retry;
 - ``tinker``: ``tinker://RUN/sampler_weights/NAME`` (or ``weights``, ``external_weights``;
@@ -21,6 +22,7 @@ follow mode: it never downloads the adapter itself.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from loragate.adapters.archives import DEFAULT_MAX_BYTES, DEFAULT_MAX_MEMBERS, UnsafeArchiveError
@@ -32,7 +34,24 @@ from loragate.adapters.sources.local import fetch_local, local_fingerprint
 from loragate.adapters.sources.tinker import fetch_tinker, tinker_fingerprint
 from loragate.adapters.sources.url import fetch_url, url_fingerprint
 
-__all__ = ["FetchedSource", "SourceError", "fetch_source", "source_fingerprint"]
+__all__ = ["FetchedSource", "SourceError", "fetch_source", "hub_source_of", "source_fingerprint"]
+
+# ORG/REPO[@REV] as the hub spells ids: one slash, no leading "/", "./" or "~", which say "a path".
+_BARE_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(?:@[^/\s]+)?$")
+_ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
+
+
+def hub_source_of(source: str) -> str:
+    """``hf://ORG/REPO[@REV]`` for a bare hub id that names no existing local path (vLLM's
+    ``--lora-modules`` takes ``org/repo`` so); any other source as it is, so that a missing
+    path (``/srv/x``, ``./x``, ``~/x``, ``a/b/c``, ``dir/x.tar.gz``) still says it is missing."""
+    if (
+        _BARE_HUB_ID.match(source)
+        and not source.lower().endswith(_ARCHIVE_SUFFIXES)
+        and not Path(source).exists()
+    ):
+        return "hf://" + source
+    return source
 
 
 def fetch_source(
@@ -59,6 +78,7 @@ def fetch_source(
     earlier loragate downloaded them there.
     """
     limits = FetchLimits(max_bytes, max_members, timeout, download_dir or dest.parent, deadline)
+    source = hub_source_of(source)
     try:
         if source.startswith("hf://"):
             return fetch_hf(source, dest, revision, progress, hf_cache_dir, limits.max_bytes)
@@ -80,6 +100,7 @@ def source_fingerprint(
     local directory: a hash of (path, size, mtime) of its files; Tinker: the newest
     checkpoint of the path's kind (for ``NAME`` = ``latest``) or the named one's time.
     """
+    source = hub_source_of(source)
     try:
         if source.startswith("hf://"):
             return hf_fingerprint(source, revision)
