@@ -23,7 +23,6 @@ import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
-import httpcore
 import httpx
 
 from loragate.http.addresses import AllowedNetworks, IPAddress, literal_address
@@ -61,7 +60,7 @@ def _addresses(host: str, port: int) -> list[IPAddress]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
-        raise httpcore.ConnectError(f"cannot resolve {host}: {exc}") from exc
+        raise _Unresolvable(f"cannot resolve {host}: {exc}") from exc
     return [ipaddress.ip_address(str(info[4][0]).partition("%")[0]) for info in infos]
 
 
@@ -82,49 +81,67 @@ def check_source_url(url: str) -> None:
     try:
         if target.host:
             checked_addresses(target.host, port, _allowed)
-    except httpcore.ConnectError:
+    except _Unresolvable:
         pass  # not resolvable here: that library (or the proxy) resolves it, or fails, itself
 
 
-class _CheckingBackend(httpcore.NetworkBackend):
-    """httpcore's own sockets, opened only to an address just checked."""
-
-    def __init__(self, allowed: AllowedNetworks) -> None:
-        self._inner = httpcore.SyncBackend()
-        self._allowed = allowed
-
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.NetworkStream:
-        addresses = checked_addresses(host, port, self._allowed)
-        target = str(addresses[0]) if addresses else host  # a host the operator allowed by name
-        return self._inner.connect_tcp(target, port, timeout, local_address, socket_options)
-
-    def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
-    ) -> httpcore.NetworkStream:
-        return self._inner.connect_unix_socket(path, timeout, socket_options)
-
-    def sleep(self, seconds: float) -> None:
-        self._inner.sleep(seconds)
+class _Unresolvable(OSError):
+    """A host name that does not resolve here (another library may resolve it itself)."""
 
 
-class _CheckingTransport(httpx.HTTPTransport):
-    def __init__(self, allowed: AllowedNetworks) -> None:
-        super().__init__()
-        # httpx takes no network backend of its own: the same pool as its default, with one.
-        self._pool = httpcore.ConnectionPool(
-            ssl_context=httpx.create_ssl_context(),
-            max_connections=100,
-            max_keepalive_connections=20,
-            keepalive_expiry=5.0,
-            network_backend=_CheckingBackend(allowed),
-        )
+def _checking_transport(allowed: AllowedNetworks) -> httpx.HTTPTransport:
+    """httpx's transport whose every connection goes only to an address just checked.
+
+    httpcore is imported here, not with the module: the gateway imports this module at start-up
+    (for the allow-list) and must stay light; only a download needs the transport."""
+    import httpcore
+
+    class _CheckingBackend(httpcore.NetworkBackend):
+        """httpcore's own sockets, opened only to an address just checked."""
+
+        def __init__(self, allowed: AllowedNetworks) -> None:
+            self._inner = httpcore.SyncBackend()
+            self._allowed = allowed
+
+        def connect_tcp(
+            self,
+            host: str,
+            port: int,
+            timeout: float | None = None,
+            local_address: str | None = None,
+            socket_options: Iterable[Any] | None = None,
+        ) -> httpcore.NetworkStream:
+            try:
+                addresses = checked_addresses(host, port, self._allowed)
+            except _Unresolvable as exc:
+                raise httpcore.ConnectError(str(exc)) from exc
+            target = str(addresses[0]) if addresses else host  # a host the operator allowed by name
+            return self._inner.connect_tcp(target, port, timeout, local_address, socket_options)
+
+        def connect_unix_socket(
+            self,
+            path: str,
+            timeout: float | None = None,
+            socket_options: Iterable[Any] | None = None,
+        ) -> httpcore.NetworkStream:
+            return self._inner.connect_unix_socket(path, timeout, socket_options)
+
+        def sleep(self, seconds: float) -> None:
+            self._inner.sleep(seconds)
+
+    class _CheckingTransport(httpx.HTTPTransport):
+        def __init__(self, allowed: AllowedNetworks) -> None:
+            super().__init__()
+            # httpx takes no network backend of its own: the same pool as its default, with one.
+            self._pool = httpcore.ConnectionPool(
+                ssl_context=httpx.create_ssl_context(),
+                max_connections=100,
+                max_keepalive_connections=20,
+                keepalive_expiry=5.0,
+                network_backend=_CheckingBackend(allowed),
+            )
+
+    return _CheckingTransport(allowed)
 
 
 def _check_request(request: httpx.Request) -> None:
@@ -143,5 +160,5 @@ def source_client(timeout: float, *, follow_redirects: bool = True) -> httpx.Cli
     return httpx.Client(
         timeout=httpx.Timeout(timeout),
         follow_redirects=follow_redirects,
-        transport=_CheckingTransport(_allowed),
+        transport=_checking_transport(_allowed),
     )
