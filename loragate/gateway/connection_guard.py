@@ -64,7 +64,6 @@ _CALLBACKS = (
     "pause_writing",
     "resume_writing",
     "on_message_begin",
-    "on_header",
     "on_headers_complete",
     "on_body",
     "on_message_complete",
@@ -116,7 +115,6 @@ class GuardedProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._phase = _IDLE
         self._head_bytes = 0  # of the request being read, or the next one
-        self._header_count = 0
         self._ended_message = False  # a request ended in the data just parsed
         self._refusing = False  # a 408 or 431 is out: drop what follows
         self._peer: str | None = None  # counted in ``peers``
@@ -212,21 +210,17 @@ class GuardedProtocol(HttpToolsProtocol):
         self._phase = _HEAD
         super().on_message_begin()
 
-    def on_header(self, name: bytes, value: bytes) -> None:
+    def on_headers_complete(self) -> None:
+        # Counted once the headers are whole (the byte budget already bounds what they hold):
+        # an ``on_header`` of its own would cost a Python call per header of every request.
         if self._refusing:
             return
-        self._header_count += 1
-        if self._header_count > self.limits.max_headers:
+        if len(self.headers) > self.limits.max_headers:
             self._refuse(
                 431,
                 f"the request has more than {self.limits.max_headers} headers",
                 "too_many_headers",
             )
-            return
-        super().on_header(name, value)
-
-    def on_headers_complete(self) -> None:
-        if self._refusing:
             return
         self._phase = _BODY
         if self._head_timer is not None:
@@ -242,7 +236,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._refusing:
             return
         self._phase = _IDLE
-        self._head_bytes = self._header_count = 0
+        self._head_bytes = 0
         self._ended_message = True
         if self._body_timer is not None:
             self._body_timer.cancel()
