@@ -281,6 +281,29 @@ def test_litellm_completion_with_api_base(demo: GatewayProcess) -> None:
     assert "Paris" in "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
 
 
+def test_anthropic_sdk_through_v1_messages(demo: GatewayProcess) -> None:
+    """Anthropic's Messages API, as the engine's vLLM serves it, under the public names."""
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=demo.url, api_key="unused", max_retries=0, timeout=300)
+    question = [{"role": "user", "content": UNSEEN[3]}]
+    reply = client.messages.create(
+        model=ADAPTERS[-1], max_tokens=40, temperature=0, messages=question
+    )
+    assert reply.model == ADAPTERS[-1]
+    assert demo_behaviour(reply.content[0].text) == ADAPTERS[-1], reply.content
+    paris = [{"role": "user", "content": "What is the capital of France?"}]
+    with client.messages.stream(model=BASE, max_tokens=32, temperature=0, messages=paris) as stream:
+        assert "Paris" in "".join(stream.text_stream)
+        assert stream.get_final_message().model == BASE
+    assert client.messages.count_tokens(model=BASE, messages=paris).input_tokens > 0
+
+
+def test_every_model_entry_has_the_engines_max_model_len(client: OpenAI) -> None:
+    entries = client.models.list().data
+    lengths = {(entry.model_extra or {}).get("max_model_len") for entry in entries}
+    assert len(lengths) == 1 and isinstance(lengths.pop(), int)
+
+
 # ----- the README, as written ----------------------------------------------------------------
 
 
