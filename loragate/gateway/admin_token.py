@@ -5,6 +5,9 @@ configured key, the gateway makes a random token when it starts and writes it to
 ``CACHE_DIR/admin-token``, readable by its own user only; the ``gateway`` CLI on the same
 machine reads it, so ``gateway adapters ...`` and ``gateway status`` need no flag. A web page,
 another user or another machine has no way to it. The file is removed when the gateway stops.
+On a terminal, the start prints the status page's address with the token (``status_page_url``),
+to that terminal only: never to a log, whose readers (journald, ``kubectl logs``, ``/admin/logs``)
+are not all the cache dir's.
 """
 
 from __future__ import annotations
@@ -19,6 +22,14 @@ TOKEN_FILE = "admin-token"
 
 def new_admin_token() -> str:
     return secrets.token_urlsafe(32)
+
+
+def status_page_url(host: str, port: int, token: str) -> str:
+    """The status page's address holding ``token`` in its fragment (as Jupyter's ``?token=``
+    start line): the page keeps it in the tab's sessionStorage and drops it from the address.
+    A fragment never reaches a server, so no proxy or access log records it."""
+    where = f"[{host}]" if ":" in host else host
+    return f"http://{where}:{port}/ui#token={token}"
 
 
 def token_path(cache_dir: Path) -> Path:

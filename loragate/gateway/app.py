@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -11,7 +12,11 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
-from loragate.gateway.admin_token import publish_admin_token, withdraw_admin_token
+from loragate.gateway.admin_token import (
+    publish_admin_token,
+    status_page_url,
+    withdraw_admin_token,
+)
 from loragate.gateway.auth import KeyConfigError, check_key_settings
 from loragate.gateway.backends.base import GatewayBackend
 from loragate.gateway.backends.custom import InferenceBackend
@@ -70,6 +75,11 @@ class BackendLifecycle:
             if token is not None:
                 path = publish_admin_token(settings.cache_dir, token)
                 log.info("admin routes need the per-start token in %s (no --admin-key given)", path)
+                if sys.stderr.isatty():
+                    # To the terminal only (Jupyter's start line): never into a log, journald
+                    # or /admin/logs, whose readers are not all the cache dir's.
+                    url = status_page_url(settings.host, settings.port, token)
+                    print(f"status page: {url}", file=sys.stderr, flush=True)
             self.started, self.stopped = True, False
 
     async def stop(self) -> None:

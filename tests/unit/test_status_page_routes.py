@@ -4,9 +4,13 @@ tail, the traffic series, and the admin API's add progress, each under the admin
 from __future__ import annotations
 
 import fnmatch
+import io
 import json
 import logging
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -14,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+import loragate.gateway as gateway_package
 from loragate.adapters.progress import report_bytes, report_stage
 from loragate.gateway.app import create_app
 from loragate.gateway.routes.ui import page_files
@@ -221,3 +226,94 @@ def test_every_page_file_ships_in_the_wheel() -> None:
     for path in (root / "loragate" / "gateway" / "ui").iterdir():
         relative = f"ui/{path.name}"
         assert any(fnmatch.fnmatch(relative, p) for p in patterns), f"{relative} would not ship"
+
+
+# ----- without the key: what /health shows, and the start line's address ---------------------
+
+
+async def test_health_shows_the_uptimes_publicly_but_not_the_engines_pid_or_memory(
+    tmp_path: Path,
+) -> None:
+    from tests.backend_double import ProxiedBackend, engine_snapshot
+
+    engine = engine_snapshot(uptime_s=42.54, pid=4321)
+    backend = ProxiedBackend("http://127.0.0.1:9", ["base"], engine=engine)
+    app = create_app(settings_for(tmp_path, host="127.0.0.1", admin_key=KEY), backend=backend)
+    async with client_for(app) as http:
+        body = (await http.get("/health")).json()
+    assert body["engine_uptime_s"] == 42.5 and 0 <= body["uptime_s"] < 60
+    assert "4321" not in json.dumps(body) and "memory" not in body and "rss_bytes" not in body
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+async def test_on_a_terminal_the_start_prints_the_status_page_address_with_the_token(
+    tmp_path: Path,
+    backend: ManagedBackendDouble,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    caplog.set_level(logging.INFO, "loragate.gateway")
+    app = create_app(settings_for(tmp_path, host="127.0.0.1", port=8123), backend=backend)
+    async with app.router.lifespan_context(app), client_for(app) as http:
+        token = (tmp_path / "admin-token").read_text().strip()
+        assert f"status page: http://127.0.0.1:8123/ui#token={token}\n" in terminal.getvalue()
+        assert token not in caplog.text  # the terminal only, never a log
+        admin = await http.get("/admin/adapters", headers={"Authorization": f"Bearer {token}"})
+        assert admin.status_code == 200
+
+
+def test_a_configured_admin_key_is_never_printed_as_an_address(
+    tmp_path: Path,
+    backend: ManagedBackendDouble,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    caplog.set_level(logging.INFO, "loragate.gateway")
+    app = create_app(settings_for(tmp_path, host="127.0.0.1", admin_key=KEY), backend=backend)
+
+    async def start_and_stop() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    asyncio.run(start_and_stop())
+    assert "#token=" not in terminal.getvalue() + caplog.text
+    assert KEY not in terminal.getvalue() + caplog.text
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's script")
+def test_the_page_keeps_the_addresses_token_for_the_tab_and_drops_it_from_the_address() -> None:
+    api = Path(gateway_package.__file__).parent / "ui" / "api.js"
+    script = f"""
+const store = new Map();
+globalThis.sessionStorage = {{
+  getItem: (k) => store.get(k) ?? null, setItem: (k, v) => store.set(k, v),
+  removeItem: (k) => store.delete(k),
+}};
+const api = await import({json.dumps(api.as_uri())});
+const replaced = [];
+const history = {{ replaceState: (...args) => replaced.push(args[2]) }};
+const found = api.adoptTokenFromAddress(
+  {{ hash: "#token=Ab-c_9", pathname: "/ui", search: "?x=1" }}, history);
+const none = api.adoptTokenFromAddress({{ hash: "#other", pathname: "/ui", search: "" }}, history);
+console.log(JSON.stringify({{ found, none, key: api.adminKey(), replaced }}));
+"""
+    done = subprocess.run(
+        ["node", "--input-type=module", "-e", script], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "found": True,
+        "none": False,
+        "key": "Ab-c_9",
+        "replaced": ["/ui?x=1"],
+    }

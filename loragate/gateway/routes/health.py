@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -9,6 +10,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from loragate.adapters.progress import WaitProgress
+from loragate.gateway.backends.base import engine_snapshot_of
 from loragate.gateway.runtime import Gateway
 from loragate.logs import loggable_in
 
@@ -19,6 +21,7 @@ router = APIRouter()
 async def health(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     ready, body = gateway.backend.health()
+    body = {**body, **_uptimes(gateway)}
     progress = _start_progress(gateway)
     if not ready and progress is not None:
         body = {**body, "progress": progress}
@@ -29,6 +32,17 @@ async def health(request: Request) -> Response:
         media_type="application/json",
         headers={} if ready else {"Retry-After": "5"},
     )
+
+
+def _uptimes(gateway: Gateway) -> dict[str, float | None]:
+    """Seconds the gateway has run and, when it runs an engine, the engine has served (null
+    while it does not). Public, as the state is: both are on ``/metrics`` anyway; the engine's
+    memory and pid stay behind the admin key (``/admin/engine``)."""
+    uptimes: dict[str, float | None] = {"uptime_s": round(time.time() - gateway.started_at, 1)}
+    engine = engine_snapshot_of(gateway.backend)
+    if engine is not None:
+        uptimes["engine_uptime_s"] = None if engine.uptime_s is None else round(engine.uptime_s, 1)
+    return uptimes
 
 
 def _start_progress(gateway: Gateway) -> dict[str, Any] | None:

@@ -13,6 +13,17 @@ export function setAdminKey(key) {
   else sessionStorage.removeItem(KEY_SLOT);
 }
 
+// The gateway's start log line gives the page's address with its per-start token after
+// "#token=" (a fragment never reaches a server or its logs): kept for this tab, then taken out
+// of the address bar and the history. Returns whether it found one.
+export function adoptTokenFromAddress(where = window.location, history = window.history) {
+  const match = /^#token=([A-Za-z0-9_-]+)$/.exec(where.hash);
+  if (!match) return false;
+  setAdminKey(match[1]);
+  history.replaceState(null, "", where.pathname + where.search);
+  return true;
+}
+
 function headers(extra) {
   const all = { Accept: "application/json", ...extra };
   const key = adminKey();

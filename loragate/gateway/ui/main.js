@@ -2,7 +2,7 @@
 // (or where admin routes are open) it reads the admin API and can act; without, it shows what
 // the public routes show (/health, /metrics/recent, /v1/models) and says it is read-only.
 
-import { adminKey, call, setAdminKey } from "./api.js";
+import { adminKey, adoptTokenFromAddress, call, setAdminKey } from "./api.js";
 import { drawTraffic } from "./chart.js";
 import { ChatBox } from "./chat.js";
 import { ago, bytes, duration, el, setMessage, setText, short } from "./dom.js";
@@ -43,6 +43,10 @@ function renderEngine(info, health) {
     add("state", health.status, `state-${health.status}`);
     add("reason", health.reason || "");
     if (health.models && health.models.length) add("model", health.models[0]);
+    if (health.engine_uptime_s !== undefined) {
+      add("uptime", health.engine_uptime_s === null ? "–" : duration(health.engine_uptime_s));
+    }
+    if (health.uptime_s !== undefined) add("gateway uptime", duration(health.uptime_s));
   }
   // The start's download, dequantization or boot: stage, percent, bytes of total, rate.
   if (health && health.progress) add("progress", health.progress.description);
@@ -308,4 +312,5 @@ async function loop() {
   setTimeout(loop, 1000);
 }
 
+adoptTokenFromAddress();
 loop();
