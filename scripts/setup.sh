@@ -84,6 +84,39 @@ if [[ ",$extras," == *",test,"* ]]; then
     echo "==> no apt-get here: install Chromium and chromedriver for the browser tests" \
          "(or set LORAGATE_CHROMIUM and LORAGATE_CHROMEDRIVER to their paths)"
   fi
+  # A JavaScript client: the official openai npm package, pinned by tests/js's lockfile
+  # (tests/integration/test_clients.py; skipped without it, failed under CI=true).
+  if command -v npm >/dev/null 2>&1; then
+    echo "==> npm ci --prefix tests/js (the openai npm package's client tests)"
+    npm ci --prefix tests/js --no-audit --no-fund --loglevel=error \
+      || echo "==> npm ci failed: the openai npm package's tests will be skipped"
+  else
+    echo "==> no npm here: install Node.js and npm for the openai npm package's tests"
+  fi
+  # LiteLLM's proxy, in a venv of its own beside the main one: its extras would change the
+  # main venv's pins (websockets, fastapi), and litellm[proxy] of the main venv's litellm may
+  # need packages an index lacks (litellm-proxy); then litellm itself plus what its proxy
+  # imports at start. Not fatal: the proxy's tests are skipped without it (failed under CI=true).
+  proxy_venv="$venv/litellm-proxy"
+  litellm_version="$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("litellm"))' \
+    2>/dev/null || echo none)"
+  proxy_ready() {
+    [ -x "$proxy_venv/bin/litellm" ] && LITELLM_LOCAL_MODEL_COST_MAP=True "$proxy_venv/bin/python" -c \
+      "import importlib.metadata as m, litellm.proxy.proxy_server; assert m.version('litellm') == '$litellm_version'" \
+      >/dev/null 2>&1
+  }
+  if ! proxy_ready; then
+    echo "==> installing litellm $litellm_version's proxy into $proxy_venv (the LiteLLM proxy's tests)"
+    rm -rf "$proxy_venv"
+    proxy_pip=("$proxy_venv/bin/python" -m pip --disable-pip-version-check -q)
+    "$python" -m venv "$proxy_venv" \
+      && { "${proxy_pip[@]}" install "litellm[proxy]==$litellm_version" 2>/dev/null \
+           || "${proxy_pip[@]}" install "litellm==$litellm_version" backoff apscheduler \
+                fastapi uvicorn uvloop orjson pyyaml python-multipart cryptography pyjwt \
+                "websockets<16" redis semver expression fastapi-sso "mcp<3" soundfile; } \
+      || true
+    proxy_ready || echo "==> could not install LiteLLM's proxy: its tests will be skipped"
+  fi
   # The systemd unit's tests run systemd-analyze verify and security (skipped without it).
   if ! command -v systemd-analyze >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     root=(env)

@@ -252,7 +252,10 @@ def _stream_events(
     ask for millions of tokens and read a few); with ``usage`` (the request's
     ``stream_options.include_usage``), vLLM's last chunk: no choices, the usage."""
     for index in range(tokens):
-        delta: dict[str, object] = {"index": 0, "finish_reason": None}
+        # The last token ends the choice, as vLLM's does at max_tokens (LiteLLM's proxy fails
+        # a stream that never names a finish_reason).
+        finish = "length" if index == tokens - 1 else None
+        delta: dict[str, object] = {"index": 0, "finish_reason": finish}
         if chat:
             delta["delta"] = {"content": " x"} if index else {"role": "assistant", "content": " x"}
         else:
