@@ -178,6 +178,9 @@ class ManagedBackendDouble(RecordingBackend, SupervisedEngineBackend):
     def require_manager(self) -> Any:
         return self.adapters
 
+    def max_model_len(self) -> int | None:
+        return None  # no engine has booted to say
+
     def changed_anything(self) -> bool:
         return bool(self.adapters.changes or self.supervisor.restart_requests or self.forwarded)
 
