@@ -27,10 +27,14 @@ def gateway(
 ) -> Iterator[GatewayProcess]:
     process = GatewayProcess(
         cache_dir=tmp_path_factory.mktemp("shared-gateway"),
-        args=["--allowed-media-dir", str(media_dir)],
+        # vLLM's own access log stays on here (the gateway turns it off): test_security and
+        # test_fuzz count the engine's access lines as their witness of what reached it.
+        args=["--allowed-media-dir", str(media_dir), "--", "--no-disable-uvicorn-access-log"],
         # The engine inherits the gateway's environment: it keeps responses, so that
         # test_engine_surface can fetch them by id.
         env={
+            # One engine.log for the whole suite: the witness reads that file alone.
+            "LORAGATE_ENGINE_LOG_MAX_BYTES": str(1 << 30),
             "LORAGATE_FOLLOW_INTERVAL": "1",
             "VLLM_ENABLE_RESPONSES_API_STORE": "1",
             # test_adapter_formats serves archive sources from 127.0.0.1.
