@@ -50,7 +50,10 @@ class ServeCommand(TyperCommand):
 def serve(
     ctx: typer.Context,
     config: Annotated[
-        Path | None, typer.Option(metavar="PATH", help="Settings file (TOML or YAML).")
+        Path | None,
+        typer.Option(
+            metavar="PATH", help="Settings file (TOML or YAML); default: $LORAGATE_CONFIG when set."
+        ),
     ] = None,
     model_argument: Annotated[
         str | None,
