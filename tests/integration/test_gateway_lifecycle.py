@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.restarts]
 
 
 class NotifySocket:
-    """A real AF_UNIX datagram socket standing in for systemd's NOTIFY_SOCKET."""
+    """A real AF_UNIX datagram socket standing in for systemd's NOTIFY_SOCKET, read at once
+    by a thread as systemd reads it (a datagram queue holds only a few messages: unread, the
+    gateway's later ones would be dropped; progress lines come every 10 s during a boot)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -27,13 +30,21 @@ class NotifySocket:
         self.sock.bind(str(path))
         self.sock.settimeout(0.2)
         self.messages: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
-    def drain(self) -> list[str]:
+    def _read(self) -> None:
         while True:
             try:
                 self.messages.append(self.sock.recv(65536).decode())
             except TimeoutError:
-                return self.messages
+                continue
+            except OSError:  # closed
+                return
+
+    def drain(self) -> list[str]:
+        time.sleep(0.2)
+        return list(self.messages)
 
     def wait_for(self, text: str, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -92,10 +103,14 @@ def test_gateway_killed_with_sigkill_leaves_no_engine_process(
     killed_gateway: KilledGateway,
 ) -> None:
     messages = killed_gateway.notify_messages
-    statuses = [m for m in messages if m.startswith("STATUS=")]
-    assert statuses[0].startswith("STATUS=engine starting")
+    engine_statuses = [m for m in messages if m.startswith("STATUS=engine")]
+    assert engine_statuses[0].startswith("STATUS=engine starting")
     ready_at = messages.index("READY=1")
     assert any(m.startswith("STATUS=engine ready") for m in messages[:ready_at])
+    # While it prepares and boots, each progress line also extends systemd's start timeout.
+    extending = [m for m in messages[:ready_at] if "EXTEND_TIMEOUT_USEC=" in m]
+    assert extending and extending[0].startswith("STATUS=prepare"), messages[:ready_at]
+    assert any(m.startswith("STATUS=boot") for m in extending), messages[:ready_at]
     tree = killed_gateway.engine_tree
     assert len(tree) >= 4, tree  # launcher, API server, EngineCore, Worker
     assert killed_gateway.survivors == []
