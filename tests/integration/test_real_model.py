@@ -286,13 +286,17 @@ def test_anthropic_sdk_through_v1_messages(demo: GatewayProcess) -> None:
     anthropic = pytest.importorskip("anthropic")
     client = anthropic.Anthropic(base_url=demo.url, api_key="unused", max_retries=0, timeout=300)
     question = [{"role": "user", "content": UNSEEN[3]}]
+    # This SDK (anthropic 2.x) takes no temperature keyword: it goes in the body as is.
+    greedy = {"temperature": 0}
     reply = client.messages.create(
-        model=ADAPTERS[-1], max_tokens=40, temperature=0, messages=question
+        model=ADAPTERS[-1], max_tokens=40, messages=question, extra_body=greedy
     )
     assert reply.model == ADAPTERS[-1]
     assert demo_behaviour(reply.content[0].text) == ADAPTERS[-1], reply.content
     paris = [{"role": "user", "content": "What is the capital of France?"}]
-    with client.messages.stream(model=BASE, max_tokens=32, temperature=0, messages=paris) as stream:
+    with client.messages.stream(
+        model=BASE, max_tokens=32, messages=paris, extra_body=greedy
+    ) as stream:
         assert "Paris" in "".join(stream.text_stream)
         assert stream.get_final_message().model == BASE
     assert client.messages.count_tokens(model=BASE, messages=paris).input_tokens > 0
