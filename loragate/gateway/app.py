@@ -8,10 +8,12 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from loragate.gateway import metrics_scrape
 from loragate.gateway.admin_token import (
     publish_admin_token,
     status_page_url,
@@ -26,7 +28,7 @@ from loragate.gateway.errors import OpenAIError, install_error_handlers
 from loragate.gateway.log_tail import recent_gateway_log
 from loragate.gateway.metrics import RequestObserver, route_path
 from loragate.gateway.openapi_schemas import install_openapi
-from loragate.gateway.routes import admin, health, inference, metrics, passthrough, status, ui
+from loragate.gateway.routes import admin, health, inference, passthrough, status, ui
 from loragate.gateway.runtime import Gateway
 from loragate.gateway.security_headers import SecurityHeaders
 from loragate.gateway.spans import enable_spans
@@ -123,6 +125,18 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+metrics_router = APIRouter()
+
+
+@metrics_router.get("/metrics")
+async def scrape(request: Request) -> Response:
+    """Prometheus text, public unless ``metrics_public`` is off (then the admin key)."""
+    gateway: Gateway = request.app.state.gateway
+    if not gateway.settings.metrics_public:
+        gateway.check_admin_key(request, request.client.host if request.client else None)
+    return Response(await metrics_scrape.render(gateway), media_type=metrics_scrape.CONTENT_TYPE)
+
+
 class AdminKeyRequired(KeyConfigError):
     pass
 
@@ -196,7 +210,7 @@ def create_app(
     app.include_router(inference.router)
     app.include_router(passthrough.router)
     app.include_router(admin.router)
-    app.include_router(metrics.router)
+    app.include_router(metrics_router)
     # The status page (/ui), and what it reads beyond the admin API.
     app.include_router(status.admin_router)
     app.include_router(status.router)

@@ -4,7 +4,7 @@ Requests are recorded lock-free in ``metrics.GatewayMetrics`` (a few dict operat
 request); a scrape turns that record, the engine's state and the adapter counters into metric
 families for a collector, and ``prometheus_client`` writes the exposition (names, escaping,
 ``NaN``, histogram buckets), followed by its standard ``process_*`` and ``python_info``
-families and ``loragate_build_info`` (``process_metrics``), then the engine's own series with
+families and ``loragate_build_info`` (``gateway_process_metrics``), then the engine's own series with
 ``component="engine"``. The model is labelled ``model_name``, as vLLM labels its own series.
 """
 
@@ -13,7 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Gauge,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -24,7 +30,6 @@ from prometheus_client.registry import Collector
 
 from loragate.adapters.stats import AdapterStats
 from loragate.gateway.backends.base import adapter_stats_of, engine_metrics_of, engine_snapshot_of
-from loragate.gateway.process_metrics import gateway_process_metrics
 from loragate.supervisor.snapshot import EngineSnapshot
 from loragate.supervisor.states import EngineState
 
@@ -34,6 +39,37 @@ if TYPE_CHECKING:
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NAN = float("nan")
+
+# The gateway's own process metrics (``process_*``, ``python_info``, ``loragate_build_info``):
+# prometheus_client's standard collectors in a registry of their own, so the scrape writes them
+# once, after the gateway's families and before the engine's (whose own ``process_*`` and
+# ``python_*`` families ``backends.engine_metrics`` drops).
+_registry = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=_registry)
+PlatformCollector(registry=_registry)
+_build = Gauge(
+    "loragate_build_info",
+    "loragate's version (the value is always 1).",
+    ["version"],
+    registry=_registry,
+)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("loragate")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+_build.labels(version=_version()).set(1)
+
+
+def gateway_process_metrics() -> bytes:
+    """``process_*``, ``python_info`` and ``loragate_build_info``, as prometheus_client writes them."""
+    return generate_latest(_registry)
 
 
 class _Families(Collector):

@@ -19,12 +19,12 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from loragate.supervisor.boot_progress import BootProgress
-from loragate.supervisor.crash_loop import CrashLoopBreaker
 from loragate.supervisor.engine_command import EngineSpec, engine_argv, engine_env
 from loragate.supervisor.engine_endpoint import EngineEndpoint
 from loragate.supervisor.engine_exit import ExitInfo
@@ -386,3 +386,28 @@ class EngineSupervisor:
                 listener(target, reason)
             except Exception:  # a listener must never break supervision
                 log.exception("engine state listener failed")
+
+
+class CrashLoopBreaker:
+    """When the engine failed recently. A run that stayed ready for ``stable_after`` seconds
+    clears the count: failures hours apart are no crash loop."""
+
+    def __init__(self) -> None:
+        self._failures: deque[float] = deque()
+
+    def __len__(self) -> int:
+        return len(self._failures)
+
+    def clear(self) -> None:
+        self._failures.clear()
+
+    def record(
+        self, now: float, ready_since: float | None, *, stable_after: float, window: float
+    ) -> int:
+        """Count a failure at ``now`` (monotonic); returns how many fall within ``window``."""
+        if ready_since is not None and now - ready_since >= stable_after:
+            self._failures.clear()  # it ran fine for a while: this is no crash loop
+        self._failures.append(now)
+        while self._failures and now - self._failures[0] > window:
+            self._failures.popleft()
+        return len(self._failures)

@@ -9,7 +9,7 @@ changes, so one scrape target reads as one service:
   the zero adapter's becoming the base model's;
 - the engine's ``process_*`` and ``python_*`` families are dropped: those names belong to the
   process being scraped, the gateway, whose own come from ``prometheus_client``'s standard
-  collectors (``process_*`` with open fds and start time, ``python_info``; ``process_metrics``),
+  collectors (``process_*`` with open fds and start time, ``python_info``; ``metrics_scrape``),
   once.
 """
 
