@@ -77,8 +77,8 @@ def pull(
     MODEL is a Hugging Face id, or a GGUF file (path/model.gguf, hf://ORG/REPO/FILE.gguf,
     pkg://DIST/PATH), which is also dequantized once into the cache.
     """
-    from loragate.adapters.models import resolve_base_model
     from loragate.adapters.progress import WaitProgress, current_progress
+    from loragate.base_model.resolve import resolve_base_model
     from loragate.cli_progress import run_showing_progress, stderr_echo
     from loragate.demo.layout import default_cache_dir
 
@@ -134,7 +134,7 @@ def systemd_unit(
 ) -> None:
     """Print a sandboxed Type=notify systemd unit that runs `gateway serve` from this install,
     with its state in /var/lib/loragate and its cache in /var/cache/loragate."""
-    from loragate.supervisor.systemd_unit import default_exec_start, render_unit
+    from loragate.supervisor.systemd import default_exec_start, render_unit
 
     env_file = environment_file or (
         Path("~/.config/loragate/env").expanduser() if user_mode else Path("/etc/loragate/env")

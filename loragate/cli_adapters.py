@@ -3,6 +3,8 @@ through its admin API, and convert an adapter offline."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +19,44 @@ from loragate.cli_admin import (
     local_admin_token,
 )
 from loragate.cli_errors import FAILURE, fail
+
+# The largest rank vLLM accepts at all: the engine's own --max-lora-rank is checked at load.
+_ANY_ENGINE_RANK = 512
+
+
+def convert_command(source: str, out: Path, base: str, cache_dir: Path) -> Path:
+    """`gateway adapters convert SOURCE OUT --base MODEL`: fetch ``source``, convert it to PEFT
+    when needed, validate it against ``base`` the way a running gateway would, and write it to
+    ``out`` (which must not exist or be empty). Raises ``ValueError`` subclasses with a message
+    the user can act on; ``out`` is left as it was on failure. The conversion runs in a child
+    Python, and the intake is imported here, so torch and the intake stay out of the CLI's
+    start."""
+    from loragate.adapters.intake.convert import convert_in_subprocess, needs_conversion
+    from loragate.adapters.intake.sources import fetch_source
+    from loragate.adapters.intake.validate import validate_adapter
+    from loragate.base_model.resolve import read_base_config, resolve_base_model
+
+    out = out.expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} already exists and is not an empty directory; pick a new OUT")
+    base_dir = resolve_base_model(base, cache_dir.expanduser())
+    base_config = read_base_config(base_dir)
+    with tempfile.TemporaryDirectory(prefix=".convert-", dir=out.parent.resolve()) as tmp:
+        work = Path(tmp)
+        fetched = fetch_source(source, work / "fetched", download_dir=work)
+        peft_dir = fetched.path
+        if needs_conversion(peft_dir):
+            peft_dir = convert_in_subprocess(
+                fetched.path, work / "converted", base_dir, base_model_name=base
+            )
+        validate_adapter(peft_dir, base_config, _ANY_ENGINE_RANK)
+        staged = work / "out"
+        shutil.copytree(peft_dir, staged)
+        if out.exists():
+            out.rmdir()
+        staged.rename(out)
+    return out
+
 
 adapters_app = typer.Typer(
     help="Manage the adapters of a running gateway (admin API).", no_args_is_help=True
@@ -133,7 +173,6 @@ def adapters_convert(
     ] = None,
 ) -> None:
     """Offline: convert any supported adapter format to the PEFT layout vLLM loads."""
-    from loragate.adapters.convert_command import convert_command
     from loragate.demo.layout import default_cache_dir
 
     try:

@@ -97,7 +97,7 @@ def serve(
     if as_demo:
         settings = _demo_settings(settings)
     else:
-        from loragate.gateway.backends.engine_plan import names_a_model
+        from loragate.plan.engine_plan import names_a_model
 
         if not names_a_model(settings):
             # Never the demo as a fallback: a unit whose environment file went missing fails.
@@ -106,7 +106,7 @@ def serve(
 
     configure_logging(settings.log_level, settings.log_json)
     if settings.upstream_url is None and settings.tool_call_parser not in (None, "none"):
-        from loragate.supervisor.tool_parsers import ToolParserError, check_tool_parser
+        from loragate.plan.tool_parsers import ToolParserError, check_tool_parser
 
         try:
             check_tool_parser(
@@ -115,7 +115,7 @@ def serve(
         except ToolParserError as exc:
             fail(str(exc), USAGE)
     if settings.engine_command is None and settings.upstream_url is None:
-        from loragate.supervisor.preflight import run_preflight
+        from loragate.plan.preflight import run_preflight
 
         local_model = (
             Path(settings.model) if settings.model and Path(settings.model).is_dir() else None
@@ -132,7 +132,7 @@ def serve(
         if problems:
             fail("cannot start:\n  - " + "\n  - ".join(str(p) for p in problems), FAILURE)
     else:
-        from loragate.supervisor.ports import port_is_free
+        from loragate.plan.preflight.host import port_is_free
 
         if not port_is_free(settings.host, settings.port):
             fail(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loragate.adapters.pipeline import AdapterPipeline
+from loragate.adapters.intake.pipeline import AdapterPipeline
 from loragate.adapters.store import AdapterStore
 from loragate.demo.layout import DEMO_ADAPTERS, demo_adapter_dir, demo_base_dir, ensure_demo
 from tests import adapter_fixtures as fx

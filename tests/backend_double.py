@@ -26,8 +26,7 @@ from loragate.gateway.backends.supervised import SupervisedEngineBackend
 from loragate.gateway.proxy import ProxyClient
 from loragate.gateway.server_options import server_options
 from loragate.settings import Settings
-from loragate.supervisor.snapshot import EngineSnapshot
-from loragate.supervisor.states import EngineState
+from loragate.supervisor.states import EngineSnapshot, EngineState
 
 
 @dataclass

@@ -20,8 +20,8 @@ from loragate.adapters.errors import AdapterError
 from loragate.adapters.progress import report_stage
 from loragate.adapters.routing import RoutingTable
 from loragate.adapters.store import AdapterStore, StoredAdapter, TamperedAdapterError
+from loragate.supervisor.client import EngineClient, EngineRefused
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
-from loragate.supervisor.engine_client import EngineClient, EngineRefused
 
 log = logging.getLogger("loragate.adapters")
 

@@ -155,8 +155,8 @@ def _fetch_url(url: str, timeout: float) -> bytes:
     ``allowed_source_networks`` (loopback, private, link-local) is refused, every hop."""
     import httpx
 
-    from loragate.adapters.downloads import redact
-    from loragate.adapters.source_networks import SourceAddressRefused, source_client
+    from loragate.adapters.intake.downloads import redact
+    from loragate.adapters.intake.source_networks import SourceAddressRefused, source_client
 
     try:
         with source_client(timeout) as http, http.stream("GET", url) as response:
@@ -184,7 +184,7 @@ def _fetch_hf(source: str) -> bytes:
         )
     from huggingface_hub import hf_hub_download
 
-    from loragate.adapters.sources.hub import hf_token
+    from loragate.adapters.intake.sources.hub import hf_token
 
     try:
         path = hf_hub_download(

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from loragate.adapters.downloads import redact, redact_urls
 from loragate.adapters.errors import AdapterError
 from loragate.adapters.fleet_manifest import (
     DesiredAdapter,
@@ -38,6 +37,7 @@ from loragate.adapters.fleet_manifest import (
     fetch_fleet_manifest,
     parse_fleet_manifest,
 )
+from loragate.adapters.intake.downloads import redact, redact_urls
 from loragate.adapters.manifest import ManifestEntry
 
 if TYPE_CHECKING:

@@ -15,8 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from loragate.adapters.downloads import redact_urls
 from loragate.adapters.errors import AdapterError
+from loragate.adapters.intake.downloads import redact_urls
 
 if TYPE_CHECKING:
     from loragate.adapters.manager import AdapterManager
@@ -27,7 +27,7 @@ Fingerprinter = Callable[[str, str | None], str | None]
 
 
 def default_fingerprint(source: str, revision: str | None) -> str | None:
-    from loragate.adapters.sources import source_fingerprint
+    from loragate.adapters.intake.sources import source_fingerprint
 
     return source_fingerprint(source, revision)
 

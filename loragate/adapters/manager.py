@@ -27,13 +27,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from loragate.adapters.downloads import redact_urls
 from loragate.adapters.engine_versions import EngineVersions, engine_id
 from loragate.adapters.errors import AdapterError, disk_error
 from loragate.adapters.follow import AdapterFollower
+from loragate.adapters.intake.downloads import redact_urls
+from loragate.adapters.intake.pipeline import PreparedVersion
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
-from loragate.adapters.pipeline import PreparedVersion
 from loragate.adapters.progress import ProgressBoard
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.routing import RoutingTable
@@ -41,8 +41,8 @@ from loragate.adapters.stats import AdapterStats
 from loragate.adapters.store import AdapterStore, TamperedAdapterError
 from loragate.adapters.store_watch import StoreWatch
 from loragate.adapters.zero_adapter import write_zero_adapter
+from loragate.supervisor.client import EngineClient, EngineRefused
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
-from loragate.supervisor.engine_client import EngineClient, EngineRefused
 
 log = logging.getLogger("loragate.adapters")
 

@@ -23,8 +23,8 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from loragate.adapters.downloads import redact_urls
 from loragate.adapters.errors import AdapterError
+from loragate.adapters.intake.downloads import redact_urls
 from loragate.adapters.store import ADAPTER_FILES, StoredAdapter, TamperedAdapterError
 
 if TYPE_CHECKING:

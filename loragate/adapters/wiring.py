@@ -13,14 +13,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from loragate.adapters.intake.pipeline import AdapterPipeline
+from loragate.adapters.intake.source_networks import allow_source_networks
 from loragate.adapters.manager import AdapterManager
 from loragate.adapters.manifest import Manifest
-from loragate.adapters.pipeline import AdapterPipeline
-from loragate.adapters.source_networks import allow_source_networks
 from loragate.adapters.store import AdapterStore, write_atomic
 from loragate.settings import Settings
+from loragate.supervisor.client import EngineClient
 from loragate.supervisor.engine import EngineSupervisor
-from loragate.supervisor.engine_client import EngineClient
 
 log = logging.getLogger("loragate.adapters")
 

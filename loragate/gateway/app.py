@@ -176,8 +176,8 @@ def create_app(
 
         backend = UpstreamBackend(settings)
     else:
-        from loragate.gateway.backends.engine_plan import require_model
         from loragate.gateway.backends.supervised import SupervisedEngineBackend
+        from loragate.plan.engine_plan import require_model
 
         require_model(settings)  # the demo only when asked for, never as a fallback
         backend = SupervisedEngineBackend(settings)

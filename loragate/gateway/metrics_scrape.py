@@ -30,8 +30,7 @@ from prometheus_client.registry import Collector
 
 from loragate.adapters.stats import AdapterStats
 from loragate.gateway.backends.base import adapter_stats_of, engine_metrics_of, engine_snapshot_of
-from loragate.supervisor.snapshot import EngineSnapshot
-from loragate.supervisor.states import EngineState
+from loragate.supervisor.states import EngineSnapshot, EngineState
 
 if TYPE_CHECKING:
     from loragate.gateway.metrics import GatewayMetrics

@@ -17,31 +17,127 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loragate.supervisor.boot_progress import BootProgress
-from loragate.supervisor.engine_command import EngineSpec, engine_argv, engine_env
-from loragate.supervisor.engine_endpoint import EngineEndpoint
-from loragate.supervisor.engine_exit import ExitInfo
-from loragate.supervisor.engine_failure import (
+from loragate.http import oneshot
+from loragate.settings.supervision import SupervisionFields
+from loragate.supervisor.command import EngineSpec, engine_argv, engine_env
+from loragate.supervisor.failure import (
     BootFailed,
+    ExitInfo,
+    current_boot,
     exited_during_boot,
     last_boot_lines,
     summarize_failure,
 )
-from loragate.supervisor.engine_log import tail_lines
-from loragate.supervisor.engine_probe import probe_engine
-from loragate.supervisor.engine_process import EngineProcess
-from loragate.supervisor.engine_socket import EngineSocket, EngineSocketError
-from loragate.supervisor.restart_backoff import restart_delay
-from loragate.supervisor.snapshot import EngineSnapshot
-from loragate.supervisor.states import RECOVERING, SERVING, EngineState, check_transition
-from loragate.supervisor.supervisor_timings import SupervisorTimings
+from loragate.supervisor.output import boot_phase, tail_lines
+from loragate.supervisor.process import EngineProcess
+from loragate.supervisor.states import (
+    RECOVERING,
+    SERVING,
+    EngineSnapshot,
+    EngineState,
+    check_transition,
+)
+from loragate.supervisor.unix_socket import EngineSocket, EngineSocketError
+
+# Where a booted engine listens and the key it takes: all a client of the engine needs.
+# Names no address: every client connects to the endpoint's socket. A request that took this
+# URL without the socket fails to resolve "engine" instead of reaching some TCP port.
+ENGINE_BASE_URL = "http://engine"
+
+
+@dataclass(frozen=True)
+class EngineEndpoint:
+    """Where the engine listens: the Unix socket ``uds`` (see ``engine_socket``), reached with
+    ``base_url`` for paths and the Host header, and ``api_key``, its per-boot key."""
+
+    uds: str
+    api_key: str
+    base_url: str = ENGINE_BASE_URL
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+
+# The engine's health probe: GET /health over its socket, and optionally a one-token
+# completion, which also catches an engine whose API answers while its core is stuck.
+log = logging.getLogger("loragate.supervisor")
+
+
+async def probe_engine(
+    endpoint: EngineEndpoint | None, timeout: float, *, deep_model: str | None = None
+) -> bool:
+    """Whether the engine answers; ``deep_model`` names the model for the deep probe (None:
+    /health only)."""
+    if endpoint is None:
+        return False
+    try:
+        response = await oneshot.request(
+            "GET", f"{endpoint.base_url}/health", timeout=timeout, uds=endpoint.uds
+        )
+        if response.status != 200:
+            return False
+        if deep_model is not None:
+            response = await oneshot.request(
+                "POST",
+                f"{endpoint.base_url}/v1/completions",
+                timeout=timeout,
+                uds=endpoint.uds,
+                headers=endpoint.headers,
+                json={"model": deep_model, "prompt": "ping", "max_tokens": 1},
+            )
+            return response.status == 200
+        return True
+    except oneshot.PlainHTTPError as exc:
+        log.debug("health probe failed: %s", exc)
+        return False
+
+
+# How far a boot has come, from the engine's log, reported every ``BOOT_REPORT_SECONDS`` so a
+# start-up of several minutes says what it is doing (in the log, in /health, and as the message
+# of the gateway's start progress record in its ``boot`` stage, which systemd's ``STATUS=``
+# shows).
+log = logging.getLogger("loragate.supervisor")
+
+BOOT_REPORT_SECONDS = 15.0  # how often a boot says how far it has come
+
+
+class BootProgress:
+    """One boot's clock: when it started and when its next report is due."""
+
+    def __init__(self, log_path: Path) -> None:
+        self._log_path = log_path
+        self.started = time.monotonic()
+        self._next_report = self.started + BOOT_REPORT_SECONDS
+
+    def report_if_due(self) -> str | None:
+        """A fresh account of the boot (also logged) when one is due, else None."""
+        if time.monotonic() < self._next_report:
+            return None
+        self._next_report += BOOT_REPORT_SECONDS
+        elapsed = time.monotonic() - self.started
+        lines = current_boot(tail_lines(self._log_path, 80, max_bytes=64 * 1024))
+        progress = f"{elapsed:.0f} s so far: {boot_phase(lines)}"
+        log.info("engine starting, %s", progress)
+        return progress
+
+
+# How long to wait before booting the engine again after a failure.
+def restart_delay(failures: int, base: float, cap: float) -> float:
+    """Exponential in the recent ``failures`` (``base``, twice that, ... up to ``cap``), with
+    ±20 % jitter so that several gateways on one machine do not restart in step."""
+    delay = min(base * 2 ** (failures - 1), cap)
+    return delay * random.uniform(0.8, 1.2)
+
 
 log = logging.getLogger("loragate.supervisor")
 
@@ -64,10 +160,10 @@ class EngineSupervisor:
         build_spec: SpecBuilder,
         *,
         cache_dir: Path,
-        timings: SupervisorTimings | None = None,
+        timings: SupervisionFields | None = None,
     ) -> None:
         self._build_spec = build_spec
-        self.timings = timings or SupervisorTimings()
+        self.timings = timings or SupervisionFields()
         self.log_path = cache_dir / "logs" / "engine.log"
         self._process = EngineProcess(cache_dir, self.log_path)
         self._socket = EngineSocket(cache_dir)

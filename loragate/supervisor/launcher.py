@@ -32,7 +32,7 @@ import sys
 
 import psutil
 
-from loragate.supervisor.parent_death import set_child_subreaper, set_parent_death_signal
+from loragate.supervisor.process import set_child_subreaper, set_parent_death_signal
 
 PARENT_DIED = signal.SIGUSR1
 DEFAULT_GRACE = 20.0

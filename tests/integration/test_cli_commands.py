@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loragate.adapters.convert import needs_conversion
+from loragate.adapters.intake.convert import needs_conversion
 from tests import adapter_fixtures as fx
 from tests.conftest import phrase_of
 from tests.gateway_process import ADMIN_KEY, GatewayProcess

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from loragate.adapters import archives
-from loragate.adapters.archives import UnsafeArchiveError, extract_archive
+from loragate.adapters.intake import archives
+from loragate.adapters.intake.archives import UnsafeArchiveError, extract_archive
 
 
 def header(name: str, kind: bytes, size: int) -> bytes:

@@ -14,9 +14,10 @@ import pytest
 from PIL import Image
 
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.requests import media, media_files
 from loragate.gateway.requests.chat import ChatRequest, normalize_chat_request
-from loragate.gateway.requests.vision_model import config_takes_images, model_takes_images
+from loragate.gateway.requests.images import files as media_files
+from loragate.gateway.requests.images import resolve as media
+from loragate.gateway.requests.images.vision_model import config_takes_images, model_takes_images
 from loragate.settings import Settings
 
 

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 import loragate
 from loragate.cli import app
 from loragate.cli_serve import DEMO_LEAVES_OUT, NO_MODEL
-from loragate.gateway.backends.engine_plan import NoModelError, plan_engine
+from loragate.plan.engine_plan import NoModelError, plan_engine
 from loragate.settings import Settings
 from tests.gateway_process import GatewayProcess
 from tools.harness import names_a_model
@@ -54,10 +54,10 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         raise _Reached(settings)
 
     monkeypatch.setattr("loragate.logs.configure_logging", lambda *args: None)
-    monkeypatch.setattr("loragate.supervisor.preflight.run_preflight", preflight)
+    monkeypatch.setattr("loragate.plan.preflight.run_preflight", preflight)
     monkeypatch.setattr("loragate.gateway.app.create_app", create_app)
     monkeypatch.setattr(
-        "loragate.supervisor.tool_parsers.check_tool_parser", lambda *args: started.append("tools")
+        "loragate.plan.tool_parsers.check_tool_parser", lambda *args: started.append("tools")
     )
     return {"started": started}
 

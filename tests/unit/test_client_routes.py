@@ -24,8 +24,8 @@ from PIL import Image
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from loragate.gateway.app import create_app
+from loragate.plan.tool_parsers import ToolParserError, check_tool_parser
 from loragate.settings import Settings
-from loragate.supervisor.tool_parsers import ToolParserError, check_tool_parser
 from tests.backend_double import serving
 
 KEY = "client-routes-key"

@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from loragate.adapters.convert import (
+from loragate.adapters.intake.convert import (
     ConversionError,
     convert_in_subprocess,
     convert_to_peft,
     detect_format,
     needs_conversion,
 )
-from loragate.adapters.models import read_base_config
-from loragate.adapters.validate import validate_adapter
+from loragate.adapters.intake.validate import validate_adapter
+from loragate.base_model.resolve import read_base_config
 from loragate.demo.layout import demo_adapter_dir, demo_base_dir
 from tests.adapter_fixtures import (
     load_tensors,
@@ -306,7 +306,7 @@ def test_a_full_disk_in_the_child_comes_back_as_enospc_not_as_a_bad_adapter(
 ) -> None:
     import errno
 
-    from loragate.adapters.convert import child_process
+    from loragate.adapters.intake.convert import child_process
 
     def write_to_a_full_disk(*args: Any) -> None:
         with open("/dev/full", "wb") as handle:  # a real ENOSPC, from the kernel
@@ -330,7 +330,7 @@ def test_a_full_disk_in_the_child_comes_back_as_enospc_not_as_a_bad_adapter(
 
 @pytest.mark.parametrize("r", [float("inf"), float("nan"), 0, True])
 def test_a_rank_that_is_not_a_whole_number_is_a_conversion_error(r: Any) -> None:
-    from loragate.adapters.convert import build_peft_config
+    from loragate.adapters.intake.convert import build_peft_config
 
     shapes = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": (8, 16)}
     with pytest.raises(ConversionError, match="r must be a positive whole number"):
@@ -340,8 +340,8 @@ def test_a_rank_that_is_not_a_whole_number_is_a_conversion_error(r: Any) -> None
 def test_importing_the_adapter_modules_does_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "import loragate.adapters.convert, loragate.adapters.validate, loragate.adapters.sources\n"
-        "import loragate.adapters.models, loragate.adapters.vi_runs\n"
+        "import loragate.adapters.intake.convert, loragate.adapters.intake.validate, loragate.adapters.intake.sources\n"
+        "import loragate.base_model.resolve, loragate.base_model.vi_runs\n"
         "heavy = [m for m in ('torch', 'safetensors', 'numpy', 'transformers', 'peft', 'tinker', 'vi')"
         " if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loragate.supervisor.cpu_memory import (
+from loragate.plan.cpu import (
     GIB,
     ModelDoesNotFit,
     plan_kv_cache,

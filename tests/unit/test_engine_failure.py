@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loragate.supervisor.engine_exit import ExitInfo
-from loragate.supervisor.engine_failure import current_boot, exited_during_boot, root_cause
+from loragate.supervisor.failure import ExitInfo, current_boot, exited_during_boot, root_cause
 
 LOGS = Path(__file__).parent / "engine_logs"
 
@@ -76,8 +75,8 @@ def test_a_warning_that_mentions_an_error_is_not_the_cause() -> None:
 async def test_a_config_that_does_not_parse_names_its_file(demo_dir: Path, tmp_path: Path) -> None:
     import shutil
 
-    from loragate.adapters.models import BaseModelError
-    from loragate.gateway.backends.engine_plan import plan_engine
+    from loragate.base_model.resolve import BaseModelError
+    from loragate.plan.engine_plan import plan_engine
     from loragate.settings import Settings
 
     model = tmp_path / "bad-config"

@@ -25,12 +25,12 @@ from starlette.responses import Response
 
 from loragate.gateway.app import create_app
 from loragate.logs import JsonFormatter, configure_logging, echo_line
+from loragate.settings.supervision import SupervisionFields
+from loragate.supervisor.command import EngineSpec, engine_argv
 from loragate.supervisor.engine import EngineSupervisor
-from loragate.supervisor.engine_command import EngineSpec, engine_argv
-from loragate.supervisor.engine_failure import last_boot_lines
-from loragate.supervisor.engine_log import EngineLogFile, EngineOutput, tail_lines
+from loragate.supervisor.failure import last_boot_lines
+from loragate.supervisor.output import EngineLogFile, EngineOutput, tail_lines
 from loragate.supervisor.states import EngineState
-from loragate.supervisor.supervisor_timings import SupervisorTimings
 from tests.backend_double import RecordingBackend, settings_for
 
 SECRET = "hf_EchoSeCrEt0123456789"
@@ -51,7 +51,7 @@ TALKING_ENGINE = [
     "sys.argv = ['fake_engine'] + sys.argv[1:]\n"
     "runpy.run_module('tools.bench.fake_engine', run_name='__main__')\n",
 ]
-FAST = SupervisorTimings(
+FAST = SupervisionFields(
     startup_timeout=30, probe_interval=0.2, probe_timeout=0.5, probe_failures=2,
     restart_backoff=0.05, restart_backoff_max=0.2, crash_loop_limit=3, crash_loop_window=60,
     stable_after=60, stop_timeout=5,

@@ -23,19 +23,18 @@ from pathlib import Path
 import psutil
 import pytest
 
+from loragate.settings.supervision import SupervisionFields
+from loragate.supervisor.command import EngineSpec
 from loragate.supervisor.engine import EngineSupervisor
-from loragate.supervisor.engine_command import EngineSpec
-from loragate.supervisor.pidfile import CacheDirInUse, EnginePidFile, GatewayLock
-from loragate.supervisor.process_tree import ENGINE_TAG
+from loragate.supervisor.process import ENGINE_TAG, CacheDirInUse, EnginePidFile, GatewayLock
 from loragate.supervisor.states import EngineState
-from loragate.supervisor.supervisor_timings import SupervisorTimings
 from tools.bench.targets import write_fake_model
 from tools.harness import GatewayProcess, wait_gone
 
 FAKE_ENGINE = [sys.executable, "-m", "tools.bench.fake_engine", "--child"]
 STUBBORN_ENGINE = [*FAKE_ENGINE, "--ignore-sigterm"]
 GRACE = 1.0
-FAST = SupervisorTimings(
+FAST = SupervisionFields(
     startup_timeout=30, probe_interval=0.2, probe_timeout=0.5, restart_backoff=0.05,
     restart_backoff_max=0.2, crash_loop_limit=10, stop_timeout=GRACE,
 )  # fmt: skip
@@ -328,7 +327,7 @@ def test_gateway_lock_refuses_a_second_gateway_and_frees_on_release(tmp_path: Pa
 def test_gateway_lock_of_a_killed_gateway_is_free_at_once(tmp_path: Path) -> None:
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from loragate.supervisor.pidfile import GatewayLock; "
+         "from loragate.supervisor.process import GatewayLock; "
          "lock = GatewayLock(Path(sys.argv[1])); lock.acquire(); print('held', flush=True); "
          "time.sleep(3600)",
          str(tmp_path)],

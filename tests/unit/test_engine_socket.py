@@ -25,19 +25,20 @@ import pytest_asyncio
 
 from loragate.gateway.proxy import ProxyClient, UpstreamUnreachable
 from loragate.http import oneshot
-from loragate.supervisor.engine import EngineSupervisor, SupervisorTimings
-from loragate.supervisor.engine_client import EngineClient
-from loragate.supervisor.engine_command import EngineSpec, engine_argv
-from loragate.supervisor.engine_socket import (
+from loragate.settings.supervision import SupervisionFields
+from loragate.supervisor.client import EngineClient
+from loragate.supervisor.command import EngineSpec, engine_argv
+from loragate.supervisor.engine import EngineSupervisor
+from loragate.supervisor.states import EngineState
+from loragate.supervisor.unix_socket import (
     MAX_SOCKET_PATH,
     EngineSocket,
     EngineSocketError,
 )
-from loragate.supervisor.states import EngineState
 from tools.bench.fake_engine import FakeEngine, start_unix_server
 
 FAKE_ENGINE = [sys.executable, "-m", "tools.bench.fake_engine"]
-FAST = SupervisorTimings(
+FAST = SupervisionFields(
     startup_timeout=30, probe_interval=0.2, probe_timeout=0.5, restart_backoff=0.05,
     restart_backoff_max=0.2, stop_timeout=5,
 )  # fmt: skip

@@ -23,10 +23,10 @@ import psutil
 import pytest
 import pytest_asyncio
 
+from loragate.settings.supervision import SupervisionFields
+from loragate.supervisor.command import EngineSpec
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
-from loragate.supervisor.engine_command import EngineSpec
 from loragate.supervisor.states import RECOVERING, TRANSITIONS, EngineState
-from loragate.supervisor.supervisor_timings import SupervisorTimings
 
 FAKE_ENGINE = [sys.executable, "-m", "tools.bench.fake_engine"]
 # Fails the way vLLM does on a configuration error: the root cause, then the API server's
@@ -39,7 +39,7 @@ MISCONFIGURED_ENGINE = [
 ]
 # Dies during start-up without an error of its own (as if the OOM killer took it).
 KILLED_ENGINE = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
-FAST = SupervisorTimings(
+FAST = SupervisionFields(
     startup_timeout=30,
     probe_interval=0.2,
     probe_timeout=0.5,
@@ -64,7 +64,7 @@ def supervisor(tmp_path: Path, command: list[str], **timings: float) -> EngineSu
     def build(socket_path: Path, api_key: str) -> EngineSpec:
         return fake_spec(socket_path, api_key, command)
 
-    settings = SupervisorTimings(**{**FAST.__dict__, **timings})
+    settings = FAST.model_copy(update=timings)
     return EngineSupervisor(build, cache_dir=tmp_path, timings=settings)
 
 
@@ -283,7 +283,7 @@ SLOW_ENGINE = [
 async def test_a_slow_boot_says_how_far_it_has_come(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("loragate.supervisor.boot_progress.BOOT_REPORT_SECONDS", 0.3)
+    monkeypatch.setattr("loragate.supervisor.engine.BOOT_REPORT_SECONDS", 0.3)
     caplog.set_level(logging.INFO, logger="loragate.supervisor")
     sup = supervisor(tmp_path, SLOW_ENGINE)
     seen: list[str] = []
@@ -318,6 +318,6 @@ async def test_a_slow_boot_says_how_far_it_has_come(
     ],
 )  # fmt: skip
 def test_boot_phase_reads_the_engines_last_telling_line(lines: list[str], phase: str) -> None:
-    from loragate.supervisor.engine_log import boot_phase
+    from loragate.supervisor.output import boot_phase
 
     assert boot_phase(lines) == phase

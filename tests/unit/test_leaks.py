@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 
 from loragate import cli_admin
-from loragate.adapters.downloads import redact, redact_urls
+from loragate.adapters.intake.downloads import redact, redact_urls
+from loragate.adapters.intake.pipeline import PreparedVersion
 from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.manifest import Manifest
-from loragate.adapters.pipeline import PreparedVersion
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore
+from loragate.supervisor.client import EngineClient
+from loragate.supervisor.command import EngineSpec, engine_env
 from loragate.supervisor.engine import EngineEndpoint
-from loragate.supervisor.engine_client import EngineClient
-from loragate.supervisor.engine_command import EngineSpec, engine_env
 from tests.engine_doubles import QuietEngine, ServingSupervisor
 
 SIGNED = "https://alice:hunter2@bucket.example/adapters/a.tar.gz?X-Amz-Signature=topsecret"

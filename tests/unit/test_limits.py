@@ -15,7 +15,7 @@ from PIL import Image
 
 from loragate.gateway.app import create_app
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.requests.media import MediaPolicy
+from loragate.gateway.requests.images.resolve import MediaPolicy
 from loragate.gateway.requests.parameters import MAX_N, check_parameters
 from tests.backend_double import RecordingBackend, settings_for
 

@@ -25,10 +25,10 @@ import pytest
 from loragate.gateway.app import create_app
 from loragate.gateway.log_tail import engine_lines
 from loragate.logs import FORMAT, JsonFormatter, SafeFormatter, loggable, printable
+from loragate.settings.supervision import SupervisionFields
+from loragate.supervisor.command import EngineSpec, redacted, secret_values
 from loragate.supervisor.engine import EngineSupervisor
-from loragate.supervisor.engine_command import EngineSpec, redacted, secret_values
 from loragate.supervisor.states import EngineState
-from loragate.supervisor.supervisor_timings import SupervisorTimings
 from tests.backend_double import ManagedBackendDouble, RecordingBackend, serving, settings_for
 
 FORGED_PATH = "/v1/responses/x%0aFORGED%1b[31m"
@@ -153,7 +153,7 @@ TALKATIVE_ENGINE = [
     "print('ValueError: invalid --hf-token value', sys.argv[sys.argv.index('--hf-token') + 1], '\\x1b[31m');"
     "sys.exit(1)",
 ]
-FAST = SupervisorTimings(
+FAST = SupervisionFields(
     startup_timeout=30, probe_interval=0.2, probe_timeout=0.5, probe_failures=2,
     restart_backoff=0.05, restart_backoff_max=0.2, crash_loop_limit=3, crash_loop_window=60,
     stable_after=60, stop_timeout=5,

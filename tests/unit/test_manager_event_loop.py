@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from loragate.adapters.intake.pipeline import PreparedVersion
 from loragate.adapters.manager import AdapterManager
 from loragate.adapters.manifest import Manifest
-from loragate.adapters.pipeline import PreparedVersion
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore, StoredAdapter
 from tests.engine_doubles import QuietEngine, ServingSupervisor

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from loragate.adapters.errors import AdapterError
+from loragate.adapters.intake.pipeline import PreparedVersion
 from loragate.adapters.manager import AdapterManager
 from loragate.adapters.manifest import Manifest
-from loragate.adapters.pipeline import PreparedVersion
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore, StoredAdapter
 from tests.engine_doubles import QuietEngine, ServingSupervisor

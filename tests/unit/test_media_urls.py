@@ -22,9 +22,10 @@ import pytest
 from PIL import Image
 
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.requests import media, media_pools
 from loragate.gateway.requests.chat import ChatRequest, normalize_chat_request
-from loragate.gateway.requests.media import MediaPolicy
+from loragate.gateway.requests.images import pools as media_pools
+from loragate.gateway.requests.images import resolve as media
+from loragate.gateway.requests.images.resolve import MediaPolicy
 from loragate.settings import Settings
 
 

@@ -15,7 +15,7 @@ from starlette.responses import PlainTextResponse
 
 from loragate.gateway.app import create_app
 from loragate.gateway.backends.engine_metrics import relabel_engine_metrics
-from loragate.gateway.backends.engine_names import AnyVersionRename
+from loragate.gateway.backends.supervised import AnyVersionRename
 from loragate.settings import Settings
 from tests.backend_double import ProxiedBackend, adapter_stats, engine_snapshot, serving
 

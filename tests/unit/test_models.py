@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from loragate.adapters.models import BaseModelError, read_base_config, resolve_base_model
+from loragate.base_model.resolve import BaseModelError, read_base_config, resolve_base_model
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 

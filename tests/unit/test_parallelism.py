@@ -14,13 +14,13 @@ from typer.testing import CliRunner
 
 from loragate.cli import app
 from loragate.engine_flags import ParallelLayout, engine_arg_value, parallel_layout
+from loragate.plan.preflight import check_parallel_boot, run_preflight
+from loragate.plan.preflight.host import find_free_port
+from loragate.plan.preflight.machine import GpuInfo
+from loragate.plan.preflight.parallel import check_parallel
+from loragate.plan.preflight.problem import PreflightError, PreflightProblem
 from loragate.settings import Settings, load_settings
-from loragate.supervisor.engine_command import EngineSpec, engine_argv
-from loragate.supervisor.gpu_inventory import GpuInfo
-from loragate.supervisor.ports import find_free_port
-from loragate.supervisor.preflight import check_parallel_boot, run_preflight
-from loragate.supervisor.preflight_parallel import check_parallel
-from loragate.supervisor.preflight_problem import PreflightError, PreflightProblem
+from loragate.supervisor.command import EngineSpec, engine_argv
 
 GiB = 1 << 30
 H100 = "NVIDIA H100 80GB"
@@ -369,7 +369,7 @@ async def test_a_refused_layout_is_the_reason_health_gives(
     from loragate.gateway.backends.supervised import SupervisedEngineBackend
     from tools.bench.targets import write_fake_model
 
-    monkeypatch.setattr("loragate.gateway.backends.engine_plan.is_cpu_build", lambda python: True)
+    monkeypatch.setattr("loragate.plan.engine_plan.is_cpu_build", lambda python: True)
     settings = Settings(
         model=str(write_fake_model(tmp_path / "model")), cache_dir=tmp_path / "cache",
         distributed_executor_backend="ray", tool_call_parser="none", cpu_lora_ops=False,

@@ -24,11 +24,11 @@ from typing import Any
 import httpx
 import pytest
 
-import loragate.adapters.downloads as downloads_module
+import loragate.adapters.intake.downloads as downloads_module
+import loragate.adapters.intake.validate as validate_module
 import loragate.adapters.store as store_module
-import loragate.adapters.validate as validate_module
 from loragate.adapters.errors import AdapterError
-from loragate.adapters.pipeline import AdapterPipeline
+from loragate.adapters.intake.pipeline import AdapterPipeline
 from loragate.adapters.store import AdapterStore
 from loragate.gateway.app import create_app
 from tests.adapter_fixtures import make_tar

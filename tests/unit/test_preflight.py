@@ -14,11 +14,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from loragate.supervisor.gpu_inventory import visible_gpu_free_bytes
-from loragate.supervisor.model_weights import model_weight_bytes
-from loragate.supervisor.ports import find_free_port, port_is_free
-from loragate.supervisor.preflight import check_preflight, run_preflight
-from loragate.supervisor.preflight_problem import PreflightError, PreflightProblem
+from loragate.plan.preflight import check_preflight, run_preflight
+from loragate.plan.preflight.host import find_free_port, port_is_free
+from loragate.plan.preflight.machine import visible_gpu_free_bytes
+from loragate.plan.preflight.memory import model_weight_bytes
+from loragate.plan.preflight.problem import PreflightError, PreflightProblem
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -12,9 +12,9 @@ import pytest
 
 import loragate.adapters.store as store_module
 from loragate.adapters.errors import AdapterError
+from loragate.adapters.intake.pipeline import AdapterPipeline, PreparedVersion
 from loragate.adapters.manager import AdapterManager
 from loragate.adapters.manifest import Manifest, ManifestEntry
-from loragate.adapters.pipeline import AdapterPipeline, PreparedVersion
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import ADAPTER_FILES, AdapterStore
 from tests.adapter_fixtures import llama_lora_shapes, peft_config, write_shaped_adapter

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import time
 
-from loragate.gateway.backends.resend import ResendBudget
-from loragate.gateway.proxy import UpstreamUnreachable
+from loragate.gateway.proxy import ResendBudget, UpstreamUnreachable
 
 
 def unreachable(maybe_delivered: bool) -> UpstreamUnreachable:

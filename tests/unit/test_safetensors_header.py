@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from loragate.adapters.safetensors_header import SafetensorsError, read_safetensors_header
+from loragate.adapters.intake.safetensors_header import SafetensorsError, read_safetensors_header
 from tests.adapter_fixtures import save_tensors, write_safetensors
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from loragate.adapters.convert import detect_format
-from loragate.adapters.sources import SourceError, fetch_source, source_fingerprint
+from loragate.adapters.intake.convert import detect_format
+from loragate.adapters.intake.sources import SourceError, fetch_source, source_fingerprint
 from tests.adapter_fixtures import (
     llama_lora_shapes,
     make_hostile_tar,

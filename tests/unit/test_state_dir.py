@@ -19,8 +19,8 @@ from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.wiring import adapter_manager_for, manifest_path_for
 from loragate.paths import default_cache_dir
 from loragate.settings import Settings
+from loragate.supervisor.client import EngineClient
 from loragate.supervisor.engine import EngineSupervisor
-from loragate.supervisor.engine_client import EngineClient
 
 FOX = {"name": "fox", "active": "a" * 64, "source": "/adapters/fox"}
 

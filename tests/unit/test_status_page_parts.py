@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from loragate.adapters.intake.pipeline import PreparedVersion
 from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.manifest import Manifest
-from loragate.adapters.pipeline import PreparedVersion
 from loragate.adapters.progress import WaitProgress, report_bytes, report_stage
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore

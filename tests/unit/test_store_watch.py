@@ -117,7 +117,7 @@ async def test_a_version_with_garbled_metadata_is_stored_again_from_its_source(
 
 async def _served_from_a_directory(tmp_path: Path) -> tuple[Any, Path, Path]:
     """A real manager serving ``fox`` from a source directory; (manager, source, weights)."""
-    from loragate.adapters.pipeline import AdapterPipeline
+    from loragate.adapters.intake.pipeline import AdapterPipeline
     from tests.unit.test_provenance import TINY_LLAMA, make_manager, tiny_adapter
 
     store = AdapterStore(tmp_path / "store")

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from loragate.cli import app as cli_app
-from loragate.supervisor.tool_parsers import (
+from loragate.plan.tool_parsers import (
     FALLBACK_PARSER,
     FAMILY_PARSERS,
     PARSER_TOKENS,

@@ -24,7 +24,7 @@ from loragate.gateway import spans
 from loragate.gateway.app import create_app
 from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.settings import Settings
-from loragate.supervisor.engine_command import EngineSpec, engine_argv
+from loragate.supervisor.command import EngineSpec, engine_argv
 from tests.backend_double import ProxiedBackend, serving
 from tests.unit.test_hot_protocol import fake_engine
 from tools.bench.fake_engine import FakeEngine

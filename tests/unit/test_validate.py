@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from loragate.adapters.models import read_base_config
-from loragate.adapters.validate import AdapterRejected, validate_adapter
+from loragate.adapters.intake.validate import AdapterRejected, validate_adapter
+from loragate.base_model.resolve import read_base_config
 from loragate.demo.layout import demo_adapter_dir, demo_base_dir
 from tests.adapter_fixtures import llama_lora_shapes, peft_config, write_shaped_adapter
 

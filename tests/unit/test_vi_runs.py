@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from loragate.adapters.vi_runs import ViRunError, download_vi_run, vi_run_layout
+from loragate.base_model.vi_runs import ViRunError, download_vi_run, vi_run_layout
 from tests.adapter_fixtures import make_vi_run, peft_config, write_shaped_adapter
 
 

@@ -28,11 +28,11 @@ from typing import Any
 import httpx
 import pytest
 
-from loragate.adapters import gguf_model
-from loragate.adapters.models import base_model_ignore_patterns, resolve_base_model
 from loragate.adapters.progress import ProgressBoard, WaitProgress, current_progress
+from loragate.base_model import gguf as gguf_model
+from loragate.base_model.resolve import base_model_ignore_patterns, resolve_base_model
 from loragate.gateway.app import create_app
-from loragate.supervisor.sd_notify import SystemdNotifier, extend_start_while
+from loragate.supervisor.systemd import SystemdNotifier, extend_start_while
 from tests.backend_double import serving, settings_for
 
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
@@ -246,7 +246,7 @@ def test_gateway_pull_shows_the_download_percent_on_stderr(hub: StandInHub, tmp_
 
 
 def _stand_in_dequantizer(tmp_path: Path) -> str:
-    """A python that, as ``-m loragate.adapters.dequantize_gguf SRC OUT``, reports three
+    """A python that, as ``-m loragate.base_model.dequantize SRC OUT``, reports three
     tensors as the real dequantizer does and writes nothing else."""
     script = tmp_path / "python"
     script.write_text(
@@ -295,7 +295,7 @@ def test_the_dequantizer_counts_each_tensor_it_dequantizes(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     gguf = pytest.importorskip("gguf")
-    from loragate.adapters.dequantize_gguf import _count_tensors
+    from loragate.base_model.dequantize import _count_tensors
 
     before = gguf.dequantize
     try:

@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from loragate.adapters.stats import AdapterStats
 from loragate.gateway.metrics import ask_for_usage
-from loragate.supervisor.snapshot import EngineSnapshot
+from loragate.supervisor.states import EngineSnapshot
 
 
 class GatewayBackend(Protocol):

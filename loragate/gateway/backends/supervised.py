@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,22 +30,51 @@ from loragate.engine_flags import engine_arg_value
 from loragate.gateway import spans
 from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
-from loragate.gateway.backends.engine_names import AnyVersionRename
-from loragate.gateway.backends.engine_plan import plan_engine, timings_from
-from loragate.gateway.backends.resend import ResendBudget
 from loragate.gateway.errors import OpenAIError, model_not_found
-from loragate.gateway.proxy import ProxyClient, Rename, UpstreamUnreachable
-from loragate.gateway.requests.media import ENGINE_MEDIA_ARGS, engine_media_env
+from loragate.gateway.proxy import ProxyClient, Rename, ResendBudget, UpstreamUnreachable
+from loragate.gateway.requests.images.resolve import ENGINE_MEDIA_ARGS, engine_media_env
 from loragate.gateway.tracing import outgoing_trace_headers
+from loragate.plan.engine_plan import plan_engine
+from loragate.plan.preflight.problem import PreflightError
 from loragate.settings import Settings
+from loragate.supervisor.client import EngineClient
+from loragate.supervisor.command import EngineSpec
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
-from loragate.supervisor.engine_client import EngineClient
-from loragate.supervisor.engine_command import EngineSpec
-from loragate.supervisor.pidfile import GatewayLock
-from loragate.supervisor.preflight_problem import PreflightError
-from loragate.supervisor.sd_notify import SystemdNotifier, extend_start_while, watchdog_loop
-from loragate.supervisor.snapshot import EngineSnapshot
-from loragate.supervisor.states import EngineState
+from loragate.supervisor.process import GatewayLock
+from loragate.supervisor.states import EngineSnapshot, EngineState
+from loragate.supervisor.systemd import SystemdNotifier, extend_start_while, watchdog_loop
+
+# Engine ids back to public names, in answers whose request named no model.
+#
+# An answer to ``GET /v1/responses/{id}`` carries whatever adapter version served the response
+# (``fox@0123456789ab``), which may since have been swapped out: every version id, current or
+# not, goes back to its public name, and the zero adapter's (base requests on the CPU build)
+# to the base model's.
+_MODEL_FIELD = re.compile(rb'"model":"(([^"\\@]+)@[0-9a-f]{12})"')
+_ANYWHERE = re.compile(rb"(([A-Za-z0-9_][A-Za-z0-9._-]*)@[0-9a-f]{12})\b")
+
+
+class AnyVersionRename(Rename):
+    """Every ``NAME@VERSION`` engine id to ``NAME``; the base's engine id to the base name."""
+
+    __slots__ = ("_base_id",)
+
+    def __init__(self, base_engine_id: str, base_name: str) -> None:
+        super().__init__(base_engine_id.encode(), base_name.encode())
+        self._base_id = base_engine_id.encode()
+
+    def model_field(self, data: bytes) -> bytes:
+        return _MODEL_FIELD.sub(self._field, data)
+
+    def everywhere(self, data: bytes) -> bytes:
+        return _ANYWHERE.sub(self._name, data)
+
+    def _field(self, match: re.Match[bytes]) -> bytes:
+        return b'"model":"' + self._name(match) + b'"'
+
+    def _name(self, match: re.Match[bytes]) -> bytes:
+        return self.public if match.group(1) == self._base_id else match.group(2)
+
 
 log = logging.getLogger("loragate.gateway")
 
@@ -58,7 +88,7 @@ class SupervisedEngineBackend:
         self.cache_dir = settings.cache_dir.expanduser().resolve()
         self.base_name = settings.served_model_name
         self.supervisor = EngineSupervisor(
-            self._engine_spec, cache_dir=self.cache_dir, timings=timings_from(settings)
+            self._engine_spec, cache_dir=self.cache_dir, timings=settings
         )
         self.supervisor.queue_size = settings.queue_size
         self.engine = EngineClient(self.supervisor)

@@ -17,8 +17,9 @@ from typing import Any
 
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.requests.content_parts import check_part, is_image_type
-from loragate.gateway.requests.image_limits import ImageBudget
-from loragate.gateway.requests.media import MediaPolicy, media_policy_of
+from loragate.gateway.requests.images.limits import ImageBudget
+from loragate.gateway.requests.images.resolve import MediaPolicy, media_policy_of
+from loragate.gateway.requests.images.vision_model import model_takes_images
 from loragate.gateway.requests.structured_outputs import (
     check_response_format,
     check_structured_outputs,
@@ -31,7 +32,6 @@ from loragate.gateway.requests.vi import (
     vi_request,
     vi_to_messages,
 )
-from loragate.gateway.requests.vision_model import model_takes_images
 from loragate.settings import Settings
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.requests.image_limits import ImageBudget
-from loragate.gateway.requests.media import MediaPolicy, media_policy_of
+from loragate.gateway.requests.images.limits import ImageBudget
+from loragate.gateway.requests.images.resolve import MediaPolicy, media_policy_of
 from loragate.settings import Settings
 
 # Part types whose image the gateway checks and sends on as an image_url data URI.

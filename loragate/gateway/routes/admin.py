@@ -16,7 +16,7 @@ from loragate.gateway.openapi_schemas import LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAP
 from loragate.gateway.requests.body import read_json_object
 from loragate.gateway.runtime import Gateway
 from loragate.logs import loggable_in
-from loragate.supervisor.process_tree import tree_rss_bytes
+from loragate.supervisor.process import tree_rss_bytes
 
 
 def _admit_admin(request: Request) -> None:

@@ -1,0 +1,135 @@
+"""From a SOURCE string to a validated PEFT adapter in the store: fetch, convert, validate, store.
+
+Runs off the event loop (``asyncio.to_thread``); conversion that needs torch runs in a child
+process, so the gateway process never imports it. Whatever fails leaves nothing in the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loragate.adapters.errors import AdapterError, disk_error
+from loragate.adapters.intake.downloads import redact_urls
+from loragate.adapters.progress import report_stage
+from loragate.adapters.provenance import Provenance
+from loragate.adapters.store import AdapterStore, StoredAdapter, StoreError, tree_digest
+
+log = logging.getLogger("loragate.adapters")
+
+
+@dataclass(frozen=True)
+class PreparedVersion:
+    """A version in the store, ready to load, and where it came from."""
+
+    stored: StoredAdapter
+    provenance: Provenance
+    # True when its files were hashed just now (stored, or found intact in the store): the
+    # manager loads it without hashing them again. Versions read back from disk later (a
+    # rollback, a restart) are verified before they load.
+    verified: bool = False
+
+
+@dataclass
+class AdapterPipeline:
+    store: AdapterStore
+    base_dir: Path
+    base_config: dict[str, Any]
+    max_lora_rank: int
+    progress: bool = False
+
+    async def __call__(self, source: str, revision: str | None) -> PreparedVersion:
+        return await asyncio.to_thread(self.prepare, source, revision)
+
+    def prepare(self, source: str, revision: str | None = None) -> PreparedVersion:
+        """Fetch, convert, validate and store ``source``; every failure is an ``AdapterError``.
+
+        The fleet reconciler, boot and the admin API catch only ``AdapterError``: anything
+        else (a full disk, a file whose numbers overflow, a bug) would abort a whole
+        reconcile pass or answer a plain-text 500, so it is turned into one here, with a reason.
+        """
+        try:
+            work = self.store.work_dir()
+        except OSError as exc:
+            raise disk_error(exc, f"preparing the adapter from {source}") from None
+        try:
+            return self._prepare_in(work, source, revision)
+        except AdapterError:
+            raise
+        except OSError as exc:
+            raise disk_error(exc, f"preparing the adapter from {source}") from None
+        except Exception as exc:
+            log.exception("adapter from %s: unexpected failure", redact_urls(source))
+            raise AdapterError(
+                f"adapter from {source} could not be prepared: {type(exc).__name__}: {exc}",
+                status=500,
+                code="adapter_unexpected_error",
+            ) from None
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _prepare_in(self, work: Path, source: str, revision: str | None) -> PreparedVersion:
+        from loragate.adapters.intake.convert import (
+            convert_in_subprocess,
+            detect_format,
+            needs_conversion,
+        )
+        from loragate.adapters.intake.sources import SourceError, fetch_source
+        from loragate.adapters.intake.validate import AdapterRejected, validate_adapter
+
+        report_stage("download")
+        try:
+            fetched = fetch_source(
+                source,
+                work / "fetched",
+                revision=revision,
+                progress=self.progress,
+                # Outside the per-attempt work dir, so an interrupted download resumes.
+                download_dir=self.store.root / "downloads",
+                hf_cache_dir=self.store.root / "hf",
+            )
+        except SourceError as exc:
+            raise AdapterError(str(exc), code="adapter_source_error") from None
+        peft_dir = fetched.path
+        source_digest: str | None = None
+        try:
+            fmt = detect_format(fetched.path)
+            if needs_conversion(fetched.path):
+                # Converting costs a torch start-up: skip it when these exact files were
+                # converted before and the result is still in the store.
+                source_digest = tree_digest(fetched.path)
+                known = self.store.converted_from(source_digest)
+                if known is not None:
+                    self.store.touch(known)
+                    return PreparedVersion(known, fetched.provenance, verified=True)
+                peft_dir = work / "converted"
+                report_stage("conversion")
+                convert_in_subprocess(fetched.path, peft_dir, self.base_dir)
+            report_stage("validation")
+            facts = validate_adapter(peft_dir, self.base_config, self.max_lora_rank)
+        except AdapterRejected as exc:
+            raise AdapterError(
+                f"adapter from {source} rejected: {exc}", code="adapter_rejected"
+            ) from None
+        except ValueError as exc:  # unreadable or unconvertible files: the message says which
+            raise AdapterError(
+                f"adapter from {source} rejected: {exc}", code="adapter_conversion_failed"
+            ) from None
+        meta = {
+            **fetched.provenance.to_record(),
+            "format": fmt,
+            "rank": facts.rank,
+            "target_modules": sorted(facts.target_modules),
+        }
+        report_stage("store")
+        try:
+            stored = self.store.put_dir(peft_dir, meta)
+        except StoreError as exc:
+            raise AdapterError(str(exc), code="adapter_store_error") from None
+        if source_digest is not None:
+            self.store.remember_conversion(source_digest, stored)
+        return PreparedVersion(stored, fetched.provenance, verified=True)

@@ -1,0 +1,117 @@
+"""Fetch an adapter from where the user keeps it into a local directory.
+
+Source forms, one module each:
+
+- ``local``: a local directory (used in place) or a local ``.tar`` / ``.tar.gz`` / ``.tgz`` /
+  ``.zip``;
+- ``hub``: ``hf://ORG/REPO[@REV][/SUBDIR]``, a Hugging Face repo, pinned to the commit it
+  resolved to; a bare ``ORG/REPO[@REV]`` that is no local path means the same (as vLLM's
+  ``--lora-modules`` reads it): ``hub_source_of``;
+- ``url``: ``https://...`` / ``http://...``, an archive, streamed with a size cap and resumed
+  on retry;
+- ``tinker``: ``tinker://RUN/sampler_weights/NAME`` (or ``weights``, ``external_weights``;
+  NAME may be ``latest``), a Tinker checkpoint, through the ``tinker`` SDK.
+
+Every http(s) connection (archives, Tinker's signed URLs, a hub endpoint set in the
+environment) is checked by ``source_networks``: no loopback, private or link-local address
+unless ``allowed_source_networks`` names it.
+
+``source_fingerprint`` gives a cheap marker that changes when the source does, for
+follow mode: it never downloads the adapter itself.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from loragate.adapters.intake.archives import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_MEMBERS,
+    UnsafeArchiveError,
+)
+from loragate.adapters.intake.downloads import DEFAULT_DEADLINE, DEFAULT_TIMEOUT, DownloadError
+from loragate.adapters.intake.source_networks import SourceAddressRefused
+from loragate.adapters.intake.sources.fetched import FetchedSource, FetchLimits, SourceError
+from loragate.adapters.intake.sources.hub import fetch_hf, hf_fingerprint
+from loragate.adapters.intake.sources.local import fetch_local, local_fingerprint
+from loragate.adapters.intake.sources.tinker import fetch_tinker, tinker_fingerprint
+from loragate.adapters.intake.sources.url import fetch_url, url_fingerprint
+
+__all__ = ["FetchedSource", "SourceError", "fetch_source", "hub_source_of", "source_fingerprint"]
+
+# ORG/REPO[@REV] as the hub spells ids: one slash, no leading "/", "./" or "~", which say "a path".
+_BARE_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(?:@[^/\s]+)?$")
+_ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
+
+
+def hub_source_of(source: str) -> str:
+    """``hf://ORG/REPO[@REV]`` for a bare hub id that names no existing local path (vLLM's
+    ``--lora-modules`` takes ``org/repo`` so); any other source as it is, so that a missing
+    path (``/srv/x``, ``./x``, ``~/x``, ``a/b/c``, ``dir/x.tar.gz``) still says it is missing."""
+    if (
+        _BARE_HUB_ID.match(source)
+        and not source.lower().endswith(_ARCHIVE_SUFFIXES)
+        and not Path(source).exists()
+    ):
+        return "hf://" + source
+    return source
+
+
+def fetch_source(
+    source: str,
+    dest: Path,
+    revision: str | None = None,
+    progress: bool = True,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_members: int = DEFAULT_MAX_MEMBERS,
+    timeout: float = DEFAULT_TIMEOUT,
+    deadline: float = DEFAULT_DEADLINE,
+    download_dir: Path | None = None,
+    hf_cache_dir: Path | None = None,
+) -> FetchedSource:
+    """Bring ``source`` onto local disk and return where its adapter lies.
+
+    Archives and downloads are unpacked into ``dest`` (absent or empty); a local directory
+    is used in place. ``download_dir`` keeps partial downloads between attempts so they
+    resume (default: ``dest``'s parent). Archives are capped at ``max_bytes`` (downloaded
+    and unpacked) and ``max_members``, ``hf://`` repos at ``max_bytes`` too; each http(s)
+    download must finish within ``deadline`` seconds. ``hf://`` repos come from the user's
+    Hugging Face hub cache (downloaded there when missing), or from ``hf_cache_dir`` when an
+    earlier loragate downloaded them there.
+    """
+    limits = FetchLimits(max_bytes, max_members, timeout, download_dir or dest.parent, deadline)
+    source = hub_source_of(source)
+    try:
+        if source.startswith("hf://"):
+            return fetch_hf(source, dest, revision, progress, hf_cache_dir, limits.max_bytes)
+        if source.startswith(("https://", "http://")):
+            return fetch_url(source, dest, progress, limits)
+        if source.startswith("tinker://"):
+            return fetch_tinker(source, dest, progress, limits)
+        return fetch_local(source, dest, limits)
+    except (UnsafeArchiveError, DownloadError, SourceAddressRefused) as exc:
+        raise SourceError(str(exc)) from exc
+
+
+def source_fingerprint(
+    source: str, revision: str | None = None, *, timeout: float = DEFAULT_TIMEOUT
+) -> str | None:
+    """A cheap marker that changes when ``source`` does; None when it cannot be told.
+
+    HF: the commit sha the revision points at; URL: its ETag or Last-Modified (HEAD);
+    local directory: a hash of (path, size, mtime) of its files; Tinker: the newest
+    checkpoint of the path's kind (for ``NAME`` = ``latest``) or the named one's time.
+    """
+    source = hub_source_of(source)
+    try:
+        if source.startswith("hf://"):
+            return hf_fingerprint(source, revision)
+        if source.startswith(("https://", "http://")):
+            return url_fingerprint(source, timeout)
+        if source.startswith("tinker://"):
+            return tinker_fingerprint(source)
+    except (DownloadError, SourceAddressRefused) as exc:
+        raise SourceError(str(exc)) from exc
+    return local_fingerprint(source)

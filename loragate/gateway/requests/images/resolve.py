@@ -1,0 +1,176 @@
+"""Images in requests: local paths (only inside --allowed-media-dir), data URIs, http(s) URLs.
+
+Every image reaches the engine as a data URI, checked here first (format, size, pixel count);
+the engine never fetches a URL from a request (it is started with an allowed-media domain that
+cannot exist, see ``ENGINE_MEDIA_ARGS``). Local files are read by ``media_files``, URLs
+fetched by ``image_fetch`` (private addresses refused, see ``loragate.http.addresses``). Decoding runs
+in a small thread pool of its own (``media_pools``), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import io
+from pathlib import Path
+from urllib.parse import unquote
+
+import httpx
+
+from loragate.gateway.errors import OpenAIError
+from loragate.gateway.requests.images.fetch import FETCH_TIMEOUT, ImageFetcher, Resolver
+from loragate.gateway.requests.images.files import LocalImages
+from loragate.gateway.requests.images.limits import ImageBudget, image_error, image_too_large
+from loragate.gateway.requests.images.pools import in_pool
+from loragate.settings import Settings
+
+_SIGNATURES = {
+    b"\x89PNG\r\n\x1a\n": "png",
+    b"\xff\xd8\xff": "jpeg",
+    b"GIF87a": "gif",
+    b"GIF89a": "gif",
+    b"BM": "bmp",
+}
+_WHITESPACE = b" \t\r\n"
+
+# The engine may fetch only from this domain, which cannot exist (RFC 2606 reserves .invalid):
+# every image it gets from the gateway is a data URI, and no URL can slip past the gateway.
+ENGINE_MEDIA_ARGS = ["--allowed-media-domains", "loragate.invalid"]
+
+
+def engine_media_env(max_image_bytes: int) -> dict[str, str]:
+    """The engine's own limits, should a URL ever reach it despite ``ENGINE_MEDIA_ARGS``: the
+    gateway's size cap, and no redirects."""
+    return {
+        "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB": str(max(1, -(-max_image_bytes // (1 << 20)))),
+        "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
+    }
+
+
+class MediaPolicy:
+    """Where a request's images may come from and how large they may be; one per settings."""
+
+    def __init__(
+        self,
+        allowed_dir: Path | None,
+        max_bytes: int,
+        max_pixels: int,
+        private_urls: bool = False,
+        *,
+        resolver: Resolver | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        fetch_timeout: float = FETCH_TIMEOUT,
+    ) -> None:
+        self.allowed_dir = allowed_dir.expanduser().resolve() if allowed_dir else None
+        self.max_bytes = max_bytes
+        self.max_pixels = max_pixels
+        self.private_urls = private_urls
+        self._files = LocalImages(self.allowed_dir, max_bytes)
+        self._fetcher = ImageFetcher(
+            max_bytes,
+            private_urls,
+            resolver=resolver,
+            transport=transport,
+            fetch_timeout=fetch_timeout,
+        )
+
+    async def image(self, url: object, param: str, budget: ImageBudget | None = None) -> str:
+        """The checked image as a data URI for the engine, or a 4xx naming the problem."""
+        uri = await self._image(url, param, budget)
+        return budget.take(uri, param) if budget is not None else uri
+
+    async def _image(self, url: object, param: str, budget: ImageBudget | None) -> str:
+        if not isinstance(url, str) or not url.strip():
+            raise image_error(
+                param, "the image must be a non-empty string: a data URI, http(s) URL or local path"
+            )
+        lowered = url[:16].lower()
+        if lowered.startswith(("http://", "https://")):
+            data = await self._fetcher.fetch(url, param, budget)
+            return data_uri(data, await in_pool("media", self._check_image, data, param))
+        if lowered.startswith("data:"):
+            return await in_pool("media", self._data_uri, url, param)
+        if "://" in url[:16] and not lowered.startswith("file://"):
+            raise image_error(
+                param,
+                f"unsupported image URL scheme in {url[:16]!r}: use data:, http(s):// or a local path",
+            )
+        path = unquote(url[7:]) if lowered.startswith("file://") else url
+        return await in_pool("media", self._local_file, path, param)
+
+    def _data_uri(self, url: str, param: str) -> str:
+        data = self._decode_data_uri(url, param)
+        return data_uri(data, self._check_image(data, param))
+
+    def _local_file(self, path: str, param: str) -> str:
+        data = self._files.read(path, param)
+        return data_uri(data, self._check_image(data, param))
+
+    def _decode_data_uri(self, url: str, param: str) -> bytes:
+        header, sep, encoded = url.partition(",")
+        if not sep or ";base64" not in header.lower():
+            raise image_error(param, "a data URI must look like data:image/png;base64,<data>")
+        if len(encoded) * 3 // 4 > self.max_bytes + 3:
+            raise image_too_large(param, self.max_bytes)
+        raw = encoded.encode("ascii", errors="replace").translate(None, _WHITESPACE)
+        try:
+            data = base64.b64decode(raw, validate=True)
+        except (binascii.Error, ValueError):
+            raise image_error(param, "the data URI is not valid base64") from None
+        if len(data) > self.max_bytes:
+            raise image_too_large(param, self.max_bytes)
+        return data
+
+    def _check_image(self, data: bytes, param: str) -> str:
+        fmt = sniff_format(data)
+        if fmt is None:
+            raise image_error(param, "the image is not a PNG, JPEG, GIF, BMP or WebP file")
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+                if width <= 0 or height <= 0 or width * height > self.max_pixels:
+                    raise image_error(
+                        param,
+                        f"the image is {width}x{height} pixels; the limit is {self.max_pixels} "
+                        "(--max-image-pixels)",
+                        "image_too_large",
+                    )
+                image.load()  # decodes every byte: a truncated or corrupt file fails here
+        except OpenAIError:
+            raise
+        except Exception:
+            raise image_error(param, f"the {fmt.upper()} image is truncated or corrupt") from None
+        return fmt
+
+
+def media_policy_of(settings: Settings) -> MediaPolicy:
+    """The image policy ``settings`` set (--allowed-media-dir, sizes, private URLs)."""
+    return _media_policy(
+        settings.allowed_media_dir,
+        settings.max_image_bytes,
+        settings.max_image_pixels,
+        settings.private_image_urls,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _media_policy(
+    allowed_dir: Path | None, max_bytes: int, max_pixels: int, private_urls: bool
+) -> MediaPolicy:
+    return MediaPolicy(allowed_dir, max_bytes, max_pixels, private_urls)
+
+
+def data_uri(data: bytes, fmt: str) -> str:
+    return f"data:image/{fmt};base64,{base64.b64encode(data).decode()}"
+
+
+def sniff_format(data: bytes) -> str | None:
+    for signature, fmt in _SIGNATURES.items():
+        if data.startswith(signature):
+            return fmt
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return None

@@ -1,0 +1,184 @@
+"""What the engine will serve and how, decided once per gateway start before it boots.
+
+The model (the user's own, a Datature Vi run, or the tiny or SmolLM2 demo when asked for:
+never as a fallback) with the adapters it boots with, then what the engine needs beyond the user's flags: tool calling,
+its memory on the CPU build, loragate's CPU LoRA ops, and a check of the parallel layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loragate.demo.layout import (
+    DEMO_ADAPTERS,
+    SMOLLM_ADAPTERS,
+    SMOLLM_ENGINE_ARGS,
+    demo_adapter_dir,
+    demo_base_dir,
+    ensure_demo,
+    ensure_smollm_demo,
+)
+from loragate.plan.cpu import SWITCH, dtype_bytes, plan_kv_cache, plugin_problem, user_sized
+from loragate.plan.preflight import check_parallel_boot
+from loragate.plan.tool_parsers import tool_engine_args
+from loragate.settings import Settings
+from loragate.supervisor.command import is_cpu_build
+
+log = logging.getLogger("loragate.gateway")
+
+
+@dataclass
+class EnginePlan:
+    model_dir: Path
+    base_config: dict[str, Any]
+    boot_loras: list[tuple[str, str]]  # (name, source), the --lora flags' and the demo's
+    extra_args: list[str]  # engine flags loragate adds (before the user's own)
+    env: dict[str, str] = field(default_factory=dict)
+    cpu_build: bool = False
+    memory_plan: str | None = None  # what loragate chose for the engine's memory, if it did
+    cpu_lora_ops: bool = False  # whether the engine runs loragate.engine_plugin's LoRA ops
+
+
+class NoModelError(ValueError):
+    """Nothing to serve: no model, no upstream, no Vi run and no demo asked for. The demo is
+    never a fallback, so a unit or pod whose settings went missing fails instead of building
+    and training the demo on a production machine."""
+
+
+def names_a_model(settings: Settings) -> bool:
+    """Whether ``settings`` say what to serve, the demo aside."""
+    return any(
+        value is not None for value in (settings.model, settings.upstream_url, settings.run_id)
+    )
+
+
+def require_model(settings: Settings) -> None:
+    """Raises ``NoModelError`` unless ``settings`` name a model or a demo (``create_app``'s
+    check for an embedded gateway; ``gateway serve`` says it in its own words)."""
+    if not names_a_model(settings) and settings.demo is None:
+        raise NoModelError(
+            "no model to serve: give model= (a directory, ORG/NAME or FILE.gguf), upstream_url= "
+            "or a backend, or demo='smollm2' (or 'tiny') for the bundled demo"
+        )
+
+
+def parse_lora_flag(value: str) -> tuple[str, str]:
+    name, sep, source = value.partition("=")
+    if not sep or not name or not source:
+        raise ValueError(f"--lora expects NAME=SOURCE, got {value!r}")
+    return name.strip(), source.strip()
+
+
+async def plan_engine(settings: Settings, cache_dir: Path) -> EnginePlan:
+    """The plan for ``settings``; raises ``PreflightError`` for a layout that cannot boot."""
+    plan, tool_parser = await _choose_model(settings, cache_dir)
+    plan.extra_args += await asyncio.to_thread(
+        tool_engine_args,
+        tool_parser,
+        plan.model_dir,
+        plan.base_config,
+        settings.engine_args,
+        settings.engine_python,
+    )
+    plan.cpu_build = await asyncio.to_thread(is_cpu_build, settings.engine_python)
+    if plan.cpu_build and not user_sized(settings.engine_args, dict(os.environ)):
+        memory = plan_kv_cache(plan.model_dir, plan.base_config, settings.engine_args)
+        plan.extra_args += memory.engine_args()
+        plan.memory_plan = memory.describe()
+        log.info("engine memory: %s", plan.memory_plan)
+    if plan.cpu_build:
+        await asyncio.to_thread(_choose_cpu_lora_ops, settings, plan)
+    layout = settings.parallel
+    if settings.engine_command is None and (layout.spread or layout.backend is not None):
+        # The command line's preflight could not see a model it had not downloaded yet.
+        await asyncio.to_thread(
+            check_parallel_boot,
+            layout,
+            engine_python=settings.engine_python,
+            model_dir=plan.model_dir,
+            dtype_bytes=dtype_bytes(plan.base_config, settings.engine_args),
+            cpu_build=plan.cpu_build,
+        )
+    return plan
+
+
+async def _choose_model(settings: Settings, cache_dir: Path) -> tuple[EnginePlan, str | None]:
+    """The model and its boot adapters; with the tool-call parser to ask for."""
+    require_model(settings)
+    tool_parser = settings.tool_call_parser
+    boot_loras = [parse_lora_flag(value) for value in settings.lora]
+    extra_args: list[str] = []
+    if settings.run_id is not None:
+        model_dir, adapter = await asyncio.to_thread(_vi_run, settings, cache_dir)
+        if adapter is not None:
+            boot_loras.insert(0, (settings.run_id, str(adapter)))
+    elif settings.model is None and settings.demo == "smollm2":
+        # The real demo is served like a user's own model: a directory and its adapters.
+        demo = await asyncio.to_thread(ensure_smollm_demo, None, settings.engine_python)
+        model_dir = demo_base_dir(demo)
+        boot_loras = [
+            (a.name, str(demo_adapter_dir(demo, a.name))) for a in SMOLLM_ADAPTERS
+        ] + boot_loras
+        if not any(arg.startswith("--dtype") for arg in settings.engine_args):
+            extra_args = list(SMOLLM_ENGINE_ARGS)
+    elif settings.model is None:  # the tiny demo (require_model: it was asked for)
+        demo = await asyncio.to_thread(ensure_demo, None, settings.engine_python)
+        model_dir = demo_base_dir(demo)
+        # The demo's template asks for calls in the pythonic form (not Llama 3's JSON).
+        tool_parser = settings.tool_call_parser or "pythonic"
+        boot_loras = [
+            (a.name, str(demo_adapter_dir(demo, a.name))) for a in DEMO_ADAPTERS
+        ] + boot_loras
+        if not any(arg.startswith("--dtype") for arg in settings.engine_args):
+            extra_args = ["--dtype", "float32"]
+        if not any(arg.startswith("--structured-outputs-config") for arg in settings.engine_args):
+            # Under a JSON schema the random demo model would pad with whitespace forever;
+            # xgrammar takes this only at engine start (and "backend" must be named).
+            extra_args += [
+                "--structured-outputs-config",
+                '{"backend": "xgrammar", "disable_any_whitespace": true}',
+            ]
+    else:
+        from loragate.base_model.resolve import resolve_base_model
+
+        model_dir = await asyncio.to_thread(
+            resolve_base_model, settings.model, cache_dir, python=settings.engine_python
+        )
+    from loragate.base_model.resolve import read_base_config
+
+    base_config = read_base_config(model_dir)
+    return EnginePlan(model_dir, base_config, boot_loras, extra_args), tool_parser
+
+
+def _choose_cpu_lora_ops(settings: Settings, plan: EnginePlan) -> None:
+    """Switch the engine plugin on when the settings ask and the engine will take it."""
+    plan.env[SWITCH] = "0"
+    if not settings.cpu_lora_ops:
+        log.info("CPU LoRA ops: vLLM's own (cpu_lora_ops is off)")
+        return
+    problem = plugin_problem(settings.engine_python, dict(os.environ))
+    if problem is not None:
+        log.warning("CPU LoRA ops: vLLM's own, behind loragate's guards (%s)", problem)
+        return
+    plan.env[SWITCH] = "1"
+    plan.cpu_lora_ops = True
+    log.info("CPU LoRA ops: loragate's (index-safe, slot-grouped); base requests go plainly")
+
+
+def _vi_run(settings: Settings, cache_dir: Path) -> tuple[Path, Path | None]:
+    """A Datature Vi run's base model and adapter, downloaded once into the cache dir."""
+    from loragate.base_model.vi_runs import download_vi_run, vi_run_layout
+
+    assert settings.run_id is not None
+    run_dir = cache_dir / "vi-runs" / settings.run_id
+    if not run_dir.is_dir():
+        run_dir = download_vi_run(
+            settings.run_id, settings.secret_key, settings.organization_id, run_dir.parent
+        )
+    full, adapter, _ = vi_run_layout(run_dir)
+    return full, adapter

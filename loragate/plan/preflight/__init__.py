@@ -1,0 +1,144 @@
+"""Checks that run before the engine starts, so a doomed boot fails in a second with a sentence
+saying what to do instead of minutes later with an engine traceback.
+
+This module runs them in the order worth fixing them; each kind lives in its own module: the
+engine's Python and device (``preflight_engine``), the parallel layout (``preflight_parallel``),
+memory (``preflight_memory``), the gateway's port (``preflight_port``) and the cache directory
+(``preflight_cache_dir``). Nothing here imports vLLM or torch: the engine's Python is asked
+through subprocesses, the GPU through ``nvidia-smi`` (``gpu_inventory``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Literal
+
+import psutil
+
+from loragate.engine_flags import ParallelLayout
+from loragate.plan.preflight.engine import (
+    Device,
+    check_accelerator,
+    check_engine,
+    engine_builds,
+)
+from loragate.plan.preflight.host import check_cache_dir, check_port
+from loragate.plan.preflight.machine import GpuInventory, numa_node_count, visible_gpus
+from loragate.plan.preflight.memory import check_gpu_memory, check_memory
+from loragate.plan.preflight.parallel import check_parallel
+from loragate.plan.preflight.problem import PreflightError, PreflightProblem
+
+logger = logging.getLogger(__name__)
+
+
+def run_preflight(
+    *,
+    engine_python: str,
+    model_dir: Path | None,
+    dtype_bytes: int,
+    host: str,
+    port: int,
+    cache_dir: Path,
+    device: Device = "auto",
+    parallel: ParallelLayout | None = None,
+    gpu_inventory: GpuInventory | None = None,
+    numa_nodes: Callable[[], int] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> list[PreflightProblem]:
+    """Every problem found, in the order worth fixing them; empty when the boot can go ahead.
+
+    ``model_dir`` None (a model not downloaded yet) skips the memory check; ``port`` 0 skips
+    the port check. ``parallel`` is how the engine spreads the model; ``gpu_inventory``
+    (default: ``nvidia-smi``), ``numa_nodes`` and ``env`` (default: this process's) are what
+    the checks read of the machine, injectable for tests.
+    """
+    if dtype_bytes <= 0:
+        raise ValueError(f"dtype_bytes must be positive, not {dtype_bytes}")
+    layout = parallel or ParallelLayout()
+    problems: list[PreflightProblem | None] = []
+    engine_problem = check_engine(engine_python)
+    problems.append(engine_problem)
+    builds = None if engine_problem else engine_builds(engine_python)
+    gpus = None if device == "cpu" else (gpu_inventory or visible_gpus)()
+    free = None if gpus is None else [gpu.free_bytes for gpu in gpus]
+    accelerator_problem, runs_on = check_accelerator(engine_python, device, free, builds)
+    problems.append(accelerator_problem)
+    problems += check_parallel(
+        layout,
+        runs_on,
+        gpus or [],
+        engine_python=None if engine_problem else engine_python,
+        numa_nodes=numa_nodes or numa_node_count,
+        env=os.environ if env is None else env,
+    )
+    if model_dir is not None and runs_on == "gpu":
+        problems.append(check_gpu_memory(model_dir, dtype_bytes, gpus or [], layout))
+    elif model_dir is not None and runs_on == "cpu":
+        available = psutil.virtual_memory().available
+        problems.append(check_memory(model_dir, dtype_bytes, available, "cpu"))
+    problems.append(check_port(host, port))
+    problems.append(check_cache_dir(cache_dir))
+    found = [problem for problem in problems if problem is not None]
+    for problem in found:
+        logger.debug("preflight %s: %s", problem.check, problem.message)
+    return found
+
+
+def check_preflight(
+    *,
+    engine_python: str,
+    model_dir: Path | None,
+    dtype_bytes: int,
+    host: str,
+    port: int,
+    cache_dir: Path,
+    device: Device = "auto",
+    parallel: ParallelLayout | None = None,
+    gpu_inventory: GpuInventory | None = None,
+) -> None:
+    """Raise PreflightError listing every problem ``run_preflight`` finds."""
+    problems = run_preflight(
+        engine_python=engine_python,
+        model_dir=model_dir,
+        dtype_bytes=dtype_bytes,
+        host=host,
+        port=port,
+        cache_dir=cache_dir,
+        device=device,
+        parallel=parallel,
+        gpu_inventory=gpu_inventory,
+    )
+    if problems:
+        raise PreflightError(problems)
+
+
+def check_parallel_boot(
+    layout: ParallelLayout,
+    *,
+    engine_python: str,
+    model_dir: Path,
+    dtype_bytes: int,
+    cpu_build: bool,
+    gpu_inventory: GpuInventory | None = None,
+) -> None:
+    """Raise PreflightError when ``layout`` cannot run here: the checks of ``run_preflight``
+    that depend on it, for a model resolved after the command line's preflight (a model id
+    downloaded at start-up, ``create_server()``)."""
+    gpus = None if cpu_build else (gpu_inventory or visible_gpus)()
+    runs_on: Literal["gpu", "cpu"] | None = "cpu" if cpu_build else ("gpu" if gpus else None)
+    problems = check_parallel(
+        layout,
+        runs_on,
+        gpus or [],
+        engine_python=engine_python,
+        numa_nodes=numa_node_count,
+        env=os.environ,
+    )
+    if runs_on == "gpu":
+        memory = check_gpu_memory(model_dir, dtype_bytes, gpus or [], layout)
+        problems += [memory] if memory is not None else []
+    if problems:
+        raise PreflightError(problems)
