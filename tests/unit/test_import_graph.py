@@ -1,80 +1,22 @@
-"""The house plan's import rules, read from the source: no cycles, one direction.
+"""The house plan's import rules (docs/architecture.md), read from the source: no circles, one
+direction.
 
-gateway -> adapters -> supervisor (the engine); the configuration leaves (the ``settings``
-package, its modules importing only each other and what they read: ``engine_flags``,
-``model_names``, ``paths``), the ``http`` package (the one HTTP/1.1 client: its modules import
-only each other) and ``logs`` import nothing else of loragate; ``cli`` and the app factory sit
-on top; ``demo`` may use adapters and the supervisor, not the gateway; the engine plugin is a
-leaf that no other part imports; the installed package never imports the checkout's
-``tools``. An import counts wherever it is written (inside a function too), except under
-``if TYPE_CHECKING:``.
+Top down: ``cli`` and the app factory; ``gateway`` (HTTP, routes, backends); ``plan`` (what an
+engine will run and whether it can: decided before it runs); ``adapters`` (intake, store,
+manager) and ``base_model`` (resolving the model to serve; it fetches through the adapters'
+intake sources and progress records, and the intake reads a Vi run's layout and a base config
+from it: siblings, without a module circle); ``supervisor`` (running one engine's processes),
+which imports none of them. The configuration leaves (the ``settings`` package, importing only
+each other and ``engine_flags``, ``model_names``, ``paths``, ``http.addresses``), the ``http``
+package and ``logs`` import nothing else of loragate; ``demo`` may use the base model and the
+supervisor, not the gateway or the plan; the engine plugin is a leaf that no other part
+imports; the installed package never imports the checkout's ``tools``. Every import counts,
+``if TYPE_CHECKING:`` ones too (``tests/import_graph.py``).
 """
 
 from __future__ import annotations
 
-import ast
-from collections.abc import Iterator
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "loragate"
-LEAVES = {"loragate.http", "loragate.logs", "loragate.paths", "loragate.model_names",
-          "loragate.engine_flags"}  # fmt: skip
-CONFIG = "loragate.settings"  # a package: ``Settings`` and its field groups
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
-
-
-def _resolve(name: str) -> str | None:
-    while name and name not in MODULES:
-        name = name.rpartition(".")[0]
-    return name or None
-
-
-def _imported_names(path: Path, module: str) -> Iterator[str]:
-    tree = ast.parse(path.read_text(), str(path))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped |= {id(inner) for stmt in node.body for inner in ast.walk(stmt)}
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                source = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                source = node.module or ""
-            for alias in node.names:  # a submodule, or a name defined in ``source``
-                submodule = f"{source}.{alias.name}"
-                yield submodule if submodule in MODULES else source
-
-
-def imports_of(module: str) -> set[str]:
-    found = set()
-    for name in _imported_names(MODULES[module], module):
-        if name.split(".")[0] == "tools":
-            found.add("tools")
-        elif name.startswith("loragate") and (target := _resolve(name)) not in (None, module):
-            found.add(target)
-    return found
-
-
-GRAPH = {module: imports_of(module) for module in MODULES}
-
-
-def part(module: str) -> str:
-    return ".".join(module.split(".")[:2])
+from tests.import_graph import CONFIG, GRAPH, LEAVES, MODULES, part
 
 
 def test_there_are_no_import_cycles_in_loragate() -> None:
@@ -111,20 +53,50 @@ def test_there_are_no_import_cycles_in_loragate() -> None:
     assert cycles == []
 
 
-def test_imports_go_gateway_to_adapters_to_the_supervisor_never_back() -> None:
-    forbidden = {
-        "loragate.adapters": {"loragate.gateway", "loragate.cli"},
-        "loragate.supervisor": {"loragate.gateway", "loragate.adapters", "loragate.demo"},
-        "loragate.demo": {"loragate.gateway", "loragate.cli"},
-        "loragate.engine_plugin": {"loragate.gateway", "loragate.adapters", "loragate.cli"},
-    }
+BELOW_THE_GATEWAY = {"loragate.gateway", "loragate.cli"}
+FORBIDDEN = {
+    "loragate.plan": BELOW_THE_GATEWAY,
+    "loragate.adapters": BELOW_THE_GATEWAY | {"loragate.plan"},
+    "loragate.base_model": BELOW_THE_GATEWAY | {"loragate.plan", "loragate.demo"},
+    "loragate.supervisor": BELOW_THE_GATEWAY
+    | {"loragate.plan", "loragate.adapters", "loragate.base_model", "loragate.demo"},
+    "loragate.demo": BELOW_THE_GATEWAY | {"loragate.plan", "loragate.adapters"},
+    "loragate.engine_plugin": BELOW_THE_GATEWAY
+    | {"loragate.plan", "loragate.adapters", "loragate.base_model", "loragate.supervisor"},
+}
+# What the base model may take from the adapters' side: fetching and its progress records.
+BASE_MODEL_USES = ("loragate.adapters.intake.sources", "loragate.adapters.progress",
+                   "loragate.adapters.json_file")  # fmt: skip
+
+
+def test_imports_go_down_gateway_plan_adapters_base_model_supervisor_never_back() -> None:
     wrong = sorted(
         (module, target)
         for module, targets in GRAPH.items()
         for target in targets
-        if part(target) in forbidden.get(part(module), set())
+        if part(target) in FORBIDDEN.get(part(module), set())
     )
     assert wrong == []
+
+
+def test_the_base_model_takes_only_fetching_from_the_adapters() -> None:
+    taken = {
+        (module, target)
+        for module, targets in GRAPH.items()
+        if part(module) == "loragate.base_model"
+        for target in targets
+        if part(target) == "loragate.adapters"
+    }
+    assert {(m, t) for m, t in taken if not t.startswith(BASE_MODEL_USES)} == set()
+    assert taken  # the rule reads real imports
+
+
+def test_the_supervisor_runs_processes_it_is_not_told_about_plans() -> None:
+    """``supervisor`` gets a command and timings; what to run is ``plan``'s."""
+    supervisor = {m for m in MODULES if part(m) == "loragate.supervisor"}
+    assert len(supervisor) <= 14, sorted(supervisor)  # about a dozen rooms
+    plan = {m for m in MODULES if part(m) == "loragate.plan"}
+    assert "loragate.plan.preflight" in plan and "loragate.plan.engine_plan" in plan
 
 
 def leaf_of(module: str) -> str | None:
