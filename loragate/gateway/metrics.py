@@ -31,7 +31,7 @@ from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loragate.gateway import spans
-from loragate.gateway.routes.engine_allow_list import engine_route
+from loragate.gateway.engine_allow_list import engine_route
 from loragate.gateway.traffic import RecentTraffic
 from loragate.logs import loggable
 

@@ -22,10 +22,9 @@ import logging
 import time
 from collections.abc import Mapping
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from loragate.gateway.metrics import RequestObservation
     from loragate.settings import Settings
 
 log = logging.getLogger("loragate.gateway")
@@ -141,7 +140,19 @@ def outgoing_traceparent() -> dict[str, str]:
     return carrier
 
 
-def end_request(route: str, observation: RequestObservation) -> None:
+class ObservedRequest(Protocol):
+    """What the root span is told of a finished request: the fields of ``metrics``'
+    ``RequestObservation`` it reads, named here so that spans, which ``metrics`` imports,
+    imports nothing of ``metrics``."""
+
+    status: int
+    stream: bool
+    model: str | None
+    version: str | None
+    request_id: str | None
+
+
+def end_request(route: str, observation: ObservedRequest) -> None:
     """Close the request's root span (and its relay span) with what the request came to."""
     spans = _current.get()
     if spans is None:

@@ -38,7 +38,7 @@ class GatewayBackend(Protocol):
 
 @dataclass(frozen=True)
 class EngineCall:
-    """A request for one of the engine's allow-listed routes (``routes.engine_allow_list``), any shape.
+    """A request for one of the engine's allow-listed routes (``gateway.engine_allow_list``), any shape.
 
     ``body`` builds the bytes to send given the engine's id for ``public_model`` (None when
     the request names no model), so the backend can pick the adapter version at send time.

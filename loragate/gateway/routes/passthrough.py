@@ -32,7 +32,7 @@ from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.metrics import current_observation
 from loragate.gateway.requests.body import check_declared_length, read_json_object, too_large
 from loragate.gateway.requests.content_parts import check_forwarded_media
-from loragate.gateway.routes.engine_allow_list import ENGINE_ROUTES, EngineRoute
+from loragate.gateway.engine_allow_list import ENGINE_ROUTES, EngineRoute
 from loragate.gateway.routes.inference import (
     admit,
     model_entry,

@@ -11,6 +11,9 @@ Each entry says how the request is shaped (``json``: a JSON object with a ``mode
 ``multipart``: a form upload with a ``model`` field; ``plain``: no model, nothing to rename
 on the way in) and, for a route the engine serves only for some models, what to tell a client
 whose engine runs another kind of model.
+
+The table sits beside the routes, not among them: ``routes.passthrough`` registers a handler
+for each entry and ``metrics`` labels the requests by them, and metrics imports no route.
 """
 
 from __future__ import annotations
