@@ -40,7 +40,9 @@ class AccessFields(BaseModel):
     admin_key: str | None = Field(
         default=None, description="Key for the admin routes.", json_schema_extra=serve_option()
     )
-    metrics_public: bool = True
+    metrics_public: bool = Field(
+        default=True, description="Serve /metrics without a key (off: the admin key's)."
+    )
     cors_origins: list[str] = Field(
         default_factory=list,
         description="Allow browser requests from this origin (repeatable; CORS is off by default).",

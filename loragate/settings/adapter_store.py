@@ -24,11 +24,27 @@ class AdapterStoreFields(BaseModel):
         ),
         json_schema_extra=serve_option(),
     )
-    follow_interval: float = Field(default=30.0, gt=0)
-    store_max_bytes: int | None = Field(default=None, ge=0)
+    follow_interval: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "Seconds between checks of followed sources, the adapters manifest and the store's "
+            "live versions."
+        ),
+    )
+    store_max_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "Size of the adapter store past which least-recently-used versions are evicted "
+            "(never an adapter's active or previous one). Default: no limit."
+        ),
+    )
     # A manifest cut short must not empty every replica at once: a pass that would remove
     # more adapters than this removes none and reports why (raise it for a planned clean-up).
-    fleet_max_removals: int = Field(default=10, ge=0)
+    fleet_max_removals: int = Field(
+        default=10, ge=0, description="Adapters one pass over the adapters manifest may remove."
+    )
     allowed_source_networks: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description=(

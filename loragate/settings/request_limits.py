@@ -10,8 +10,19 @@ from loragate.settings.serve_option import serve_option
 
 
 class RequestLimitFields(BaseModel):
-    queue_size: int = Field(default=256, ge=0)
-    queue_deadline: float = Field(default=300.0, ge=0)
+    queue_size: int = Field(
+        default=256,
+        ge=0,
+        description=(
+            "Requests that may wait while the engine starts or restarts; past it, a 503 with "
+            "Retry-After."
+        ),
+    )
+    queue_deadline: float = Field(
+        default=300.0,
+        ge=0,
+        description="Seconds a request may wait for the engine (or its adapter) before a 503.",
+    )
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024,
         gt=0,
