@@ -6,7 +6,9 @@ prints. A client string holding a line feed would start a line of its own in the
 ``/admin/logs`` tail and the status page (a forged entry), and an ANSI escape would recolour
 or rewrite the terminal of whoever reads it; so every line written goes through ``loggable``:
 control characters become visible escapes (``printable``) and the secrets given on the
-command line (``hide_secrets``) become ``***``.
+command line (``hide_secrets``) become ``***``. A URL a user gave (an adapter's source, a
+manifest's or an upstream's address) may carry its own credentials: messages that quote one
+pass it through ``redact`` (one URL) or ``redact_urls`` (every URL in a text).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 from typing import Any
+from urllib.parse import urlsplit
 
 FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 HIDDEN = "***"
@@ -78,6 +81,32 @@ def loggable_in(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [loggable_in(item) for item in value]
     return value
+
+
+def redact(url: str) -> str:
+    """``url`` for logs, errors and the API: user:password@ and the query string (where
+    signed URLs carry their credentials) become ``***``, so one can tell they were there."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port is not None else ""
+    except ValueError:  # a malformed port or IPv6 host: show nothing of the address part
+        return f"{url.split(':', 1)[0]}://***"
+    if ":" in host:
+        host = f"[{host}]"
+    userinfo = "***@" if "@" in parts.netloc else ""
+    query = "?***" if parts.query else ""
+    return f"{parts.scheme}://{userinfo}{host}{port}{parts.path}{query}"
+
+
+# A URL in prose: up to whitespace or a quote, less trailing punctuation.
+_URL = re.compile(r"(?i)\bhttps?://[^\s'\"<>]*[^\s'\"<>.,;:!?)\]]")
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with every http(s) URL in it redacted (see ``redact``): for messages that
+    may quote a source."""
+    return _URL.sub(lambda match: redact(match.group(0)), text)
 
 
 class SafeFormatter(logging.Formatter):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 
-from loragate.adapters.intake.downloads import redact_urls
+from loragate.logs import redact_urls
 
 # A full disk and a full quota read the same to an operator: free space, or store less.
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})

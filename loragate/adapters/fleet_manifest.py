@@ -155,8 +155,8 @@ def _fetch_url(url: str, timeout: float) -> bytes:
     ``allowed_source_networks`` (loopback, private, link-local) is refused, every hop."""
     import httpx
 
-    from loragate.adapters.intake.downloads import redact
     from loragate.adapters.intake.source_networks import SourceAddressRefused, source_client
+    from loragate.logs import redact
 
     try:
         with source_client(timeout) as http, http.stream("GET", url) as response:

@@ -37,8 +37,8 @@ from loragate.adapters.fleet_manifest import (
     fetch_fleet_manifest,
     parse_fleet_manifest,
 )
-from loragate.adapters.intake.downloads import redact, redact_urls
 from loragate.adapters.manifest import ManifestEntry
+from loragate.logs import redact, redact_urls
 
 if TYPE_CHECKING:
     from loragate.adapters.manager import AdapterManager

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from loragate.adapters.errors import AdapterError
-from loragate.adapters.intake.downloads import redact_urls
+from loragate.logs import redact_urls
 
 if TYPE_CHECKING:
     from loragate.adapters.manager import AdapterManager

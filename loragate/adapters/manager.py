@@ -30,7 +30,6 @@ from typing import Any
 from loragate.adapters.engine_versions import EngineVersions, engine_id
 from loragate.adapters.errors import AdapterError, disk_error
 from loragate.adapters.follow import AdapterFollower
-from loragate.adapters.intake.downloads import redact_urls
 from loragate.adapters.intake.pipeline import PreparedVersion
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
@@ -41,6 +40,7 @@ from loragate.adapters.stats import AdapterStats
 from loragate.adapters.store import AdapterStore, TamperedAdapterError
 from loragate.adapters.store_watch import StoreWatch
 from loragate.adapters.zero_adapter import write_zero_adapter
+from loragate.logs import redact_urls
 from loragate.supervisor.client import EngineClient, EngineRefused
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 

@@ -24,8 +24,8 @@ import os
 from typing import TYPE_CHECKING
 
 from loragate.adapters.errors import AdapterError
-from loragate.adapters.intake.downloads import redact_urls
 from loragate.adapters.store import ADAPTER_FILES, StoredAdapter, TamperedAdapterError
+from loragate.logs import redact_urls
 
 if TYPE_CHECKING:
     from loragate.adapters.manager import AdapterManager

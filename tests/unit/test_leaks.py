@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 from loragate import cli_admin
-from loragate.adapters.intake.downloads import redact, redact_urls
 from loragate.adapters.intake.pipeline import PreparedVersion
 from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.manifest import Manifest
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore
+from loragate.logs import redact, redact_urls
 from loragate.supervisor.client import EngineClient
 from loragate.supervisor.command import EngineSpec, engine_env
 from loragate.supervisor.engine import EngineEndpoint

@@ -15,7 +15,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import httpx
 
 from loragate.adapters.intake.source_networks import source_client
 from loragate.adapters.progress import report_bytes
+from loragate.logs import redact
 
 DEFAULT_TIMEOUT = 30.0  # seconds for one read (and to connect)
 DEFAULT_DEADLINE = 3600.0  # seconds for a whole download: 2 GiB at ~600 kB/s
@@ -44,32 +44,6 @@ class Downloaded:
     etag: str | None
     last_modified: str | None
     resumed: bool
-
-
-def redact(url: str) -> str:
-    """``url`` for logs, errors and the API: user:password@ and the query string (where
-    signed URLs carry their credentials) become ``***``, so one can tell they were there."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port is not None else ""
-    except ValueError:  # a malformed port or IPv6 host: show nothing of the address part
-        return f"{url.split(':', 1)[0]}://***"
-    if ":" in host:
-        host = f"[{host}]"
-    userinfo = "***@" if "@" in parts.netloc else ""
-    query = "?***" if parts.query else ""
-    return f"{parts.scheme}://{userinfo}{host}{port}{parts.path}{query}"
-
-
-# A URL in prose: up to whitespace or a quote, less trailing punctuation.
-_URL = re.compile(r"(?i)\bhttps?://[^\s'\"<>]*[^\s'\"<>.,;:!?)\]]")
-
-
-def redact_urls(text: str) -> str:
-    """``text`` with every http(s) URL in it redacted (see ``redact``): for messages that
-    may quote a source."""
-    return _URL.sub(lambda match: redact(match.group(0)), text)
 
 
 def download_file(

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from loragate.adapters.errors import AdapterError, disk_error
-from loragate.adapters.intake.downloads import redact_urls
 from loragate.adapters.progress import report_stage
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore, StoredAdapter, StoreError, tree_digest
+from loragate.logs import redact_urls
 
 log = logging.getLogger("loragate.adapters")
 

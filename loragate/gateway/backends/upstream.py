@@ -20,12 +20,12 @@ from urllib.parse import urlsplit
 
 from starlette.responses import Response
 
-from loragate.adapters.intake.downloads import redact, redact_urls
 from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import ProxyClient, Rename
 from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.http import oneshot
+from loragate.logs import redact, redact_urls
 from loragate.settings import Settings
 from loragate.supervisor.client import listed_max_model_len
 
