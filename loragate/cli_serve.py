@@ -105,40 +105,16 @@ def serve(
     from loragate.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_json)
-    if settings.upstream_url is None and settings.tool_call_parser not in (None, "none"):
-        from loragate.plan.tool_parsers import ToolParserError, check_tool_parser
+    from loragate.plan.engine_plan import check_before_start
+    from loragate.plan.preflight.problem import PreflightError
+    from loragate.plan.tool_parsers import ToolParserError
 
-        try:
-            check_tool_parser(
-                settings.tool_call_parser, settings.engine_python, settings.engine_args
-            )
-        except ToolParserError as exc:
-            fail(str(exc), USAGE)
-    if settings.engine_command is None and settings.upstream_url is None:
-        from loragate.plan.preflight import run_preflight
-
-        local_model = (
-            Path(settings.model) if settings.model and Path(settings.model).is_dir() else None
-        )
-        problems = run_preflight(
-            engine_python=settings.engine_python,
-            model_dir=local_model,
-            dtype_bytes=2,
-            host=settings.host,
-            port=settings.port,
-            cache_dir=settings.cache_dir.expanduser(),
-            parallel=settings.parallel,
-        )
-        if problems:
-            fail("cannot start:\n  - " + "\n  - ".join(str(p) for p in problems), FAILURE)
-    else:
-        from loragate.plan.preflight.host import port_is_free
-
-        if not port_is_free(settings.host, settings.port):
-            fail(
-                f"port {settings.port} on {settings.host} is already in use; pass --port to choose another",
-                FAILURE,
-            )
+    try:
+        check_before_start(settings)
+    except ToolParserError as exc:
+        fail(str(exc), USAGE)
+    except PreflightError as exc:
+        fail(str(exc), FAILURE)
     from loragate.gateway.app import create_app
     from loragate.gateway.auth import KeyConfigError
 

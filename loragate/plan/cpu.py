@@ -1,4 +1,5 @@
-"""How much KV cache the CPU build gets when the user did not say.
+"""What the CPU build needs beyond the user's flags: its KV cache size, and whether it runs
+loragate's CPU LoRA ops.
 
 Without ``VLLM_CPU_KVCACHE_SPACE``, ``--kv-cache-memory-bytes`` or ``--gpu-memory-utilization``,
 vLLM's CPU worker reserves 0.92 of NUMA node 0's memory and refuses to start when less than
@@ -6,6 +7,10 @@ that is free, which the page cache alone prevents on most machines after any dis
 So loragate sizes the cache itself from what is actually free (counted the way vLLM counts it)
 and from the longest sequence the engine will take, and passes ``--kv-cache-memory-bytes``.
 A model that cannot fit is refused before the engine starts, with what would make it fit.
+
+The LoRA ops plugin (``loragate.engine_plugin``) lives in the engine's processes; this process
+never imports it (nor vLLM or torch): it asks the engine's interpreter, with the engine's
+environment, in a child process.
 """
 
 from __future__ import annotations
@@ -18,10 +23,6 @@ from typing import Any
 
 import psutil
 
-# Whether the engine will run loragate's CPU LoRA ops (``loragate.engine_plugin``).
-#
-# The plugin lives in the engine's processes; this process never imports it (nor vLLM or torch):
-# it asks the engine's interpreter, with the engine's environment, in a child process.
 SWITCH = "LORAGATE_CPU_LORA_OPS"
 _CHECK_TIMEOUT = 60.0
 

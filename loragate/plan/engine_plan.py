@@ -24,8 +24,10 @@ from loragate.demo.layout import (
     ensure_smollm_demo,
 )
 from loragate.plan.cpu import SWITCH, dtype_bytes, plan_kv_cache, plugin_problem, user_sized
-from loragate.plan.preflight import check_parallel_boot
-from loragate.plan.tool_parsers import tool_engine_args
+from loragate.plan.preflight import check_resolved_model, run_preflight
+from loragate.plan.preflight.host import check_port
+from loragate.plan.preflight.problem import PreflightError
+from loragate.plan.tool_parsers import check_tool_parser, tool_engine_args
 from loragate.settings import Settings
 from loragate.supervisor.command import is_cpu_build
 
@@ -74,6 +76,31 @@ def parse_lora_flag(value: str) -> tuple[str, str]:
     return name.strip(), source.strip()
 
 
+def check_before_start(settings: Settings) -> None:
+    """What ``gateway serve`` checks before anything starts, so a doomed start fails in a second:
+    the tool-call parser (``ToolParserError``, a usage error), then the preflight, or only the
+    port when loragate runs no engine itself (``PreflightError`` listing every problem). A model
+    named by id is not on disk yet: ``plan_engine`` checks it once resolved."""
+    if settings.upstream_url is None and settings.tool_call_parser not in (None, "none"):
+        check_tool_parser(settings.tool_call_parser, settings.engine_python, settings.engine_args)
+    if settings.engine_command is not None or settings.upstream_url is not None:
+        problem = check_port(settings.host, settings.port)
+        problems = [] if problem is None else [problem]
+    else:
+        local_model = settings.model and Path(settings.model)
+        problems = run_preflight(
+            engine_python=settings.engine_python,
+            model_dir=local_model if local_model and local_model.is_dir() else None,
+            dtype_bytes=2,
+            host=settings.host,
+            port=settings.port,
+            cache_dir=settings.cache_dir.expanduser(),
+            parallel=settings.parallel,
+        )
+    if problems:
+        raise PreflightError(problems)
+
+
 async def plan_engine(settings: Settings, cache_dir: Path) -> EnginePlan:
     """The plan for ``settings``; raises ``PreflightError`` for a layout that cannot boot."""
     plan, tool_parser = await _choose_model(settings, cache_dir)
@@ -97,7 +124,7 @@ async def plan_engine(settings: Settings, cache_dir: Path) -> EnginePlan:
     if settings.engine_command is None and (layout.spread or layout.backend is not None):
         # The command line's preflight could not see a model it had not downloaded yet.
         await asyncio.to_thread(
-            check_parallel_boot,
+            check_resolved_model,
             layout,
             engine_python=settings.engine_python,
             model_dir=plan.model_dir,

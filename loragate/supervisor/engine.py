@@ -4,12 +4,12 @@ Its whole life reads top to bottom in ``_life``: boot (starting -> ready), watch
 unhealthy) until the process exits or stops answering, then restart with backoff, or give up
 (failed) after ``crash_loop_limit`` failures within ``crash_loop_window``. Every transition
 goes through ``_transition`` (checked against ``states.TRANSITIONS``) and is logged with its
-reason; all of them are in this file.
+reason; all of them are in this file, with what the life decides by: the endpoint a booted
+engine listens on, the health probe, the boot's progress reports, the backoff and the
+crash-loop count. Its timings are the ``supervision`` settings group itself.
 
-What it decides with lives beside it: the processes themselves (``engine_process``), the
-health probe (``engine_probe``), the boot's progress reports (``boot_progress``), why a boot
-failed (``engine_failure``), the backoff (``restart_backoff``) and the crash-loop count
-(``crash_loop``).
+Beside it: the processes at the OS level (``process``), why a boot failed (``failure``), the
+engine's output (``output``) and command line (``command``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Why a boot failed, read from the engine's log: its root-cause line, and whether another
-attempt could fix it by itself."""
+"""How a boot ended and why: the launcher's exit (waited for without blocking the event loop),
+the root-cause line read from the engine's log, and whether another attempt could fix it by
+itself.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from pathlib import Path
 from loragate.supervisor.output import BOOT_BANNER, tail_lines
 
 
-# How the engine's launcher ended, and waiting for that without blocking the event loop.
 @dataclass(frozen=True)
 class ExitInfo:
     returncode: int

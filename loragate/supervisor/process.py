@@ -2,8 +2,8 @@
 vLLM API server under it, and whatever of the boot outlives the launcher.
 
 The supervisor decides when to spawn, reap and terminate; this module knows how: the launcher
-command, the pidfile a later gateway reads to end a stale engine, the tag and process group
-that find a boot's processes once their launcher is gone (``process_tree``).
+command and its parent-death signal, the lock and pidfile by which a later gateway ends a stale
+engine, and the tag and process group that find a boot's processes once their launcher is gone.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""A systemd unit for this install: ``Type=notify`` with a watchdog, so systemd knows when the
-gateway really serves and restarts it when it wedges.
+"""systemd, both ways: the notify protocol by which the gateway tells systemd how it is
+(``READY=1``, ``STATUS=``, the watchdog), and the ``Type=notify`` unit ``gateway systemd-unit``
+writes for this install.
 
 ``KillMode=mixed`` sends SIGTERM to the gateway alone, which stops the engine tree itself
 (gracefully, in order); only what is left after ``TimeoutStopSec`` gets SIGKILL from systemd.

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from loragate.cli import app
 from loragate.engine_flags import ParallelLayout, engine_arg_value, parallel_layout
-from loragate.plan.preflight import check_parallel_boot, run_preflight
+from loragate.plan.preflight import check_resolved_model, run_preflight
 from loragate.plan.preflight.host import find_free_port
 from loragate.plan.preflight.machine import GpuInfo
 from loragate.plan.preflight.parallel import check_parallel
@@ -257,7 +257,7 @@ def test_too_little_memory_per_gpu_names_the_split_and_the_gpu(
     model = sparse_model(tmp_path / "model", 100 * GiB)
     inventory = [*gpus(1, free_gib=60), GpuInfo("1", H100, 80 * GiB, 30 * GiB)]
     with pytest.raises(PreflightError) as raised:
-        check_parallel_boot(
+        check_resolved_model(
             layout(tp=2), engine_python=sys.executable, model_dir=model, dtype_bytes=2,
             cpu_build=False, gpu_inventory=lambda: inventory,
         )  # fmt: skip
@@ -275,7 +275,7 @@ def test_enough_memory_once_split_over_more_gpus_passes(
 ) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     model = sparse_model(tmp_path / "model", 100 * GiB)
-    check_parallel_boot(
+    check_resolved_model(
         layout(tp=4), engine_python=sys.executable, model_dir=model, dtype_bytes=2,
         cpu_build=False, gpu_inventory=lambda: gpus(4, free_gib=30),
     )  # fmt: skip
@@ -355,7 +355,7 @@ def test_cpu_build_runs_one_worker_per_numa_node_or_a_manual_binding() -> None:
 def test_cpu_build_refusal_reaches_the_boot_check(tmp_path: Path) -> None:
     model = sparse_model(tmp_path / "model", GiB)
     with pytest.raises(PreflightError, match="vLLM's CPU build cannot run"):
-        check_parallel_boot(
+        check_resolved_model(
             layout(backend="ray"), engine_python=sys.executable, model_dir=model,
             dtype_bytes=2, cpu_build=True,
         )  # fmt: skip

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from loragate.plan.preflight import check_preflight, run_preflight
+from loragate.plan.preflight import run_preflight
 from loragate.plan.preflight.host import find_free_port, port_is_free
 from loragate.plan.preflight.machine import visible_gpu_free_bytes
 from loragate.plan.preflight.memory import model_weight_bytes
@@ -209,8 +209,8 @@ def test_good_cpu_setup_has_no_problems(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 @needs_cpu_build
-def test_check_preflight_passes_a_good_setup_silently(tmp_path: Path) -> None:
-    check_preflight(
+def test_a_good_setup_has_no_problems_with_a_port_and_cache_dir(tmp_path: Path) -> None:
+    problems = run_preflight(
         engine_python=sys.executable,
         model_dir=None,
         dtype_bytes=2,
@@ -219,22 +219,22 @@ def test_check_preflight_passes_a_good_setup_silently(tmp_path: Path) -> None:
         cache_dir=tmp_path / "cache",
         device="cpu",
     )
+    assert problems == []
 
 
-def test_check_preflight_raises_with_every_problem(tmp_path: Path, listener: int) -> None:
+def test_every_problem_is_found_and_the_error_lists_them_all(tmp_path: Path, listener: int) -> None:
     (tmp_path / "cache").write_text("x")
-    with pytest.raises(PreflightError) as caught:
-        check_preflight(
-            engine_python=str(tmp_path / "no-python"),
-            model_dir=None,
-            dtype_bytes=2,
-            host="127.0.0.1",
-            port=listener,
-            cache_dir=tmp_path / "cache",
-        )
-    assert [problem.check for problem in caught.value.problems] == ["engine", "port", "cache_dir"]
-    for problem in caught.value.problems:
-        assert f"- {problem.message}" in str(caught.value)
+    problems = run_preflight(
+        engine_python=str(tmp_path / "no-python"),
+        model_dir=None,
+        dtype_bytes=2,
+        host="127.0.0.1",
+        port=listener,
+        cache_dir=tmp_path / "cache",
+    )
+    caught = PreflightError(problems)
+    assert [problem.check for problem in caught.problems] == ["engine", "port", "cache_dir"]
+    assert str(caught) == "cannot start:" + "".join(f"\n  - {p.message}" for p in problems)
 
 
 # Accelerator

@@ -1,11 +1,12 @@
 """Checks that run before the engine starts, so a doomed boot fails in a second with a sentence
 saying what to do instead of minutes later with an engine traceback.
 
-This module runs them in the order worth fixing them; each kind lives in its own module: the
-engine's Python and device (``preflight_engine``), the parallel layout (``preflight_parallel``),
-memory (``preflight_memory``), the gateway's port (``preflight_port``) and the cache directory
-(``preflight_cache_dir``). Nothing here imports vLLM or torch: the engine's Python is asked
-through subprocesses, the GPU through ``nvidia-smi`` (``gpu_inventory``).
+This module is their one composition, in the order worth fixing them (``run_preflight``, and
+its model-dependent part again for a model resolved later: ``check_resolved_model``); each
+kind lives in its own module: the engine's Python and device (``engine``), the parallel layout
+(``parallel``), memory (``memory``), the gateway's port and cache directory (``host``), and
+what they read of the machine (``machine``). Nothing here imports vLLM or torch: the engine's
+Python is asked through subprocesses, the GPU through ``nvidia-smi``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from loragate.plan.preflight.engine import (
     engine_builds,
 )
 from loragate.plan.preflight.host import check_cache_dir, check_port
-from loragate.plan.preflight.machine import GpuInventory, numa_node_count, visible_gpus
+from loragate.plan.preflight.machine import GpuInfo, GpuInventory, numa_node_count, visible_gpus
 from loragate.plan.preflight.memory import check_gpu_memory, check_memory
 from loragate.plan.preflight.parallel import check_parallel
 from loragate.plan.preflight.problem import PreflightError, PreflightProblem
@@ -57,7 +58,6 @@ def run_preflight(
     """
     if dtype_bytes <= 0:
         raise ValueError(f"dtype_bytes must be positive, not {dtype_bytes}")
-    layout = parallel or ParallelLayout()
     problems: list[PreflightProblem | None] = []
     engine_problem = check_engine(engine_python)
     problems.append(engine_problem)
@@ -66,19 +66,16 @@ def run_preflight(
     free = None if gpus is None else [gpu.free_bytes for gpu in gpus]
     accelerator_problem, runs_on = check_accelerator(engine_python, device, free, builds)
     problems.append(accelerator_problem)
-    problems += check_parallel(
-        layout,
+    problems += _model_checks(
+        parallel or ParallelLayout(),
         runs_on,
         gpus or [],
         engine_python=None if engine_problem else engine_python,
-        numa_nodes=numa_nodes or numa_node_count,
-        env=os.environ if env is None else env,
+        model_dir=model_dir,
+        dtype_bytes=dtype_bytes,
+        numa_nodes=numa_nodes,
+        env=env,
     )
-    if model_dir is not None and runs_on == "gpu":
-        problems.append(check_gpu_memory(model_dir, dtype_bytes, gpus or [], layout))
-    elif model_dir is not None and runs_on == "cpu":
-        available = psutil.virtual_memory().available
-        problems.append(check_memory(model_dir, dtype_bytes, available, "cpu"))
     problems.append(check_port(host, port))
     problems.append(check_cache_dir(cache_dir))
     found = [problem for problem in problems if problem is not None]
@@ -87,35 +84,7 @@ def run_preflight(
     return found
 
 
-def check_preflight(
-    *,
-    engine_python: str,
-    model_dir: Path | None,
-    dtype_bytes: int,
-    host: str,
-    port: int,
-    cache_dir: Path,
-    device: Device = "auto",
-    parallel: ParallelLayout | None = None,
-    gpu_inventory: GpuInventory | None = None,
-) -> None:
-    """Raise PreflightError listing every problem ``run_preflight`` finds."""
-    problems = run_preflight(
-        engine_python=engine_python,
-        model_dir=model_dir,
-        dtype_bytes=dtype_bytes,
-        host=host,
-        port=port,
-        cache_dir=cache_dir,
-        device=device,
-        parallel=parallel,
-        gpu_inventory=gpu_inventory,
-    )
-    if problems:
-        raise PreflightError(problems)
-
-
-def check_parallel_boot(
+def check_resolved_model(
     layout: ParallelLayout,
     *,
     engine_python: str,
@@ -124,21 +93,49 @@ def check_parallel_boot(
     cpu_build: bool,
     gpu_inventory: GpuInventory | None = None,
 ) -> None:
-    """Raise PreflightError when ``layout`` cannot run here: the checks of ``run_preflight``
-    that depend on it, for a model resolved after the command line's preflight (a model id
-    downloaded at start-up, ``create_server()``)."""
+    """Raise PreflightError when the model, once resolved, cannot run in ``layout`` here: the
+    part of ``run_preflight`` that needs the model, for one that was not on disk when the
+    command line's preflight ran (a model id downloaded at start-up, ``create_server()``)."""
     gpus = None if cpu_build else (gpu_inventory or visible_gpus)()
     runs_on: Literal["gpu", "cpu"] | None = "cpu" if cpu_build else ("gpu" if gpus else None)
-    problems = check_parallel(
+    problems = _model_checks(
         layout,
         runs_on,
         gpus or [],
         engine_python=engine_python,
-        numa_nodes=numa_node_count,
-        env=os.environ,
+        model_dir=model_dir if runs_on == "gpu" else None,
+        dtype_bytes=dtype_bytes,
     )
-    if runs_on == "gpu":
-        memory = check_gpu_memory(model_dir, dtype_bytes, gpus or [], layout)
-        problems += [memory] if memory is not None else []
-    if problems:
-        raise PreflightError(problems)
+    found = [problem for problem in problems if problem is not None]
+    if found:
+        raise PreflightError(found)
+
+
+def _model_checks(
+    layout: ParallelLayout,
+    runs_on: Literal["gpu", "cpu"] | None,
+    gpus: list[GpuInfo],
+    *,
+    engine_python: str | None,
+    model_dir: Path | None,
+    dtype_bytes: int,
+    numa_nodes: Callable[[], int] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> list[PreflightProblem | None]:
+    """The checks that depend on the model and how it is spread: the layout, then memory."""
+    problems: list[PreflightProblem | None] = list(
+        check_parallel(
+            layout,
+            runs_on,
+            gpus,
+            engine_python=engine_python,
+            numa_nodes=numa_nodes or numa_node_count,
+            env=os.environ if env is None else env,
+        )
+    )
+    if model_dir is not None and runs_on == "gpu":
+        problems.append(check_gpu_memory(model_dir, dtype_bytes, gpus, layout))
+    elif model_dir is not None and runs_on == "cpu":
+        available = psutil.virtual_memory().available
+        problems.append(check_memory(model_dir, dtype_bytes, available, "cpu"))
+    return problems

@@ -1,4 +1,6 @@
-"""Whether the gateway can listen on its host and port, and if not, who holds the port."""
+"""What the gateway needs of its host: its port free to bind (the way uvicorn binds it; if not,
+who holds it) and its cache directory (adapters, logs, the engine's socket) writable.
+"""
 
 from __future__ import annotations
 

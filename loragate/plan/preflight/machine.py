@@ -1,6 +1,7 @@
-"""The NVIDIA GPUs this process may use and their free memory, read through ``nvidia-smi``.
-
-Not NVML or torch: the gateway never loads CUDA itself.
+"""What the machine offers an engine, read without loading CUDA (not NVML or torch): the NVIDIA
+GPUs this process may use and their free memory (``nvidia-smi``), and the NUMA nodes vLLM's CPU
+build binds a worker to each of; and running such a probe without letting a hung or missing
+program stop the gateway's start.
 """
 
 from __future__ import annotations

@@ -23,5 +23,5 @@ class PreflightError(RuntimeError):
 
     def __init__(self, problems: list[PreflightProblem]) -> None:
         self.problems = list(problems)
-        lines = "\n".join(f"- {problem.message}" for problem in self.problems)
-        super().__init__(f"loragate cannot start the engine:\n{lines}")
+        lines = "".join(f"\n  - {problem.message}" for problem in self.problems)
+        super().__init__(f"cannot start:{lines}")
