@@ -2,8 +2,10 @@
 
 The inference routes are plain Starlette routes (no pydantic parsing on the hot path), so
 FastAPI cannot describe them; ``install_openapi`` adds them, with request-body schemas that
-say what the gateway accepts (the same ranges ``parameters`` checks), plus the OpenAI error
-shape and the two bearer keys. Clients, /docs and the fuzz tests read the result.
+say what the gateway accepts, plus the OpenAI error shape and the two bearer keys. The
+generation parameters' properties come from the table their checks come from
+(``parameters.PARAMETERS``), so a documented range is the range checked. Clients, /docs and the
+fuzz tests read the result.
 
 ``/docs`` is a plain page that links the description (``DOCS_PAGE``): no script at all. An
 interactive viewer (Swagger UI, Redoc) would load JavaScript from a CDN into the gateway's own
@@ -21,54 +23,22 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
 from loragate.gateway.requests.chat import ROLES
-from loragate.gateway.requests.parameters import MAX_LOGPROBS, MAX_N
+from loragate.gateway.requests.parameters import Schema, parameter_schemas, parameters_of
 from loragate.gateway.requests.vi import HF_TO_OPENAI
-
-Schema = dict[str, Any]
 
 
 def _ref(name: str) -> Schema:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _nullable(schema: Schema) -> Schema:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-_STOP: Schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
-
-# Parameters both request shapes take at the top level; ``null`` means "not given".
-_GENERATION: dict[str, Schema] = {
-    "model": {
-        "type": "string",
-        "description": "The base model's id or an adapter's name (see GET /v1/models). "
-        "Default: the base model.",
-    },
-    "stream": {"type": "boolean", "default": False},
-    "stream_options": {
-        "type": "object",
-        "properties": {"include_usage": {"type": "boolean"}},
-    },
-    "max_tokens": _nullable({"type": "integer", "minimum": 1}),
-    "temperature": _nullable({"type": "number", "minimum": 0}),
-    "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
-    "top_k": _nullable({"type": "integer", "minimum": -1}),
-    "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
-    "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
-    "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}),
-    "stop": _nullable(_STOP),
-    "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
-    "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
-    "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0}),
-    "logit_bias": _nullable(
-        {
-            "type": "object",
-            "propertyNames": {"pattern": "^[0-9]+$"},
-            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
-        }
-    ),
-    "user": {"type": "string"},
+# The request shapes' top-level properties: ``model`` (routed, not a generation parameter) and
+# the rows of the parameter table, which also makes the 400s.
+_MODEL: Schema = {
+    "type": "string",
+    "description": "The base model's id or an adapter's name (see GET /v1/models). "
+    "Default: the base model.",
 }
+_CHAT_PARAMETERS = parameter_schemas("chat")
 
 _CONTENT_PART: Schema = {
     "anyOf": [
@@ -120,11 +90,9 @@ _OPENAI_CHAT: Schema = {
     "title": "OpenAI chat request",
     "required": ["messages"],
     "properties": {
-        **_GENERATION,
+        "model": _MODEL,
+        **_CHAT_PARAMETERS,
         "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
-        "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
-        "logprobs": _nullable({"type": "boolean"}),
-        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
         "response_format": _ref("ResponseFormat"),
     },
 }
@@ -135,7 +103,8 @@ _VI_CHAT: Schema = {
     "description": "Becomes one user message: the image part first, then the text part.",
     "required": ["user_prompt"],
     "properties": {
-        **_GENERATION,
+        "model": _MODEL,
+        **_CHAT_PARAMETERS,
         "source": {
             "type": "string",
             "minLength": 1,
@@ -148,10 +117,8 @@ _VI_CHAT: Schema = {
             "type": "object",
             "description": "Hugging Face generation names; top-level parameters win.",
             "properties": {
-                **{key: {} for key in sorted(HF_TO_OPENAI)},
-                "max_new_tokens": {"type": "integer", "minimum": 1},
-                "do_sample": {"type": "boolean"},
-                "temperature": {"type": "number", "minimum": 0},
+                **{hf: _CHAT_PARAMETERS[openai] for hf, openai in sorted(HF_TO_OPENAI.items())},
+                "do_sample": {"type": "boolean", "description": "false: greedy (temperature 0)."},
             },
             "additionalProperties": False,
         },
@@ -185,20 +152,8 @@ _RESPONSE_FORMAT: Schema = {
 
 _COMPLETION: Schema = {
     "type": "object",
-    "required": ["prompt"],
-    "properties": {
-        **_GENERATION,
-        "prompt": {
-            "anyOf": [
-                {"type": "string"},
-                {"type": "array", "minItems": 1, "items": {"type": "string"}},
-                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-            ]
-        },
-        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
-        "echo": {"type": "boolean"},
-        "suffix": {"type": "string"},
-    },
+    "required": [p.name for p in parameters_of("completions") if p.required],
+    "properties": {"model": _MODEL, **parameter_schemas("completions")},
 }
 
 _ERROR: Schema = {
