@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import orjson
 from starlette.responses import Response
 
 from loragate.adapters.stats import AdapterStats
+from loragate.gateway.errors import OpenAIError
 from loragate.gateway.metrics import ask_for_usage
 from loragate.supervisor.states import EngineSnapshot
 
@@ -38,7 +39,7 @@ class GatewayBackend(Protocol):
 
 @dataclass(frozen=True)
 class EngineCall:
-    """A request for one of the engine's allow-listed routes (``gateway.engine_allow_list``), any shape.
+    """A request for one of the engine's allow-listed routes (``engine_allow_list``), any shape.
 
     ``body`` builds the bytes to send given the engine's id for ``public_model`` (None when
     the request names no model), so the backend can pick the adapter version at send time.
@@ -87,6 +88,61 @@ class ObservableBackend(GatewayBackend, Protocol):
     async def engine_metrics(self) -> bytes | None:
         """The engine's own /metrics text with public model names, or None."""
         ...
+
+
+@runtime_checkable
+class AdminBackend(Protocol):
+    """What the admin routes ask of a backend that manages its engine and adapters (the
+    supervised one). Every change goes through these methods, and they own its checks (the
+    gateway still starting: 503; a fleet manifest owning the adapters: 409) and answer a
+    refusal as the ``OpenAIError`` a client sees, so the routes read nothing of a manager,
+    a fleet or a supervisor. A backend without it (upstream, custom) gets ``admin_of``'s 404.
+    """
+
+    def adapters_report(self) -> dict[str, Any]:
+        """``GET /admin/adapters``: ``base_model``, ``data`` (the adapters), ``progress`` (the
+        adds running or finished lately) and ``adapters_manifest`` (the fleet's, or None)."""
+        ...
+
+    def adapter_report(self, name: str) -> dict[str, Any]:
+        """One adapter, with the ``progress`` of its latest add; 404 when neither exists."""
+        ...
+
+    def admit_adapter_change(self) -> None:
+        """Raise the refusal a change to the adapters would get now, else nothing: the routes
+        ask before they read a body, so a refused change buffers none."""
+        ...
+
+    async def put_adapter(
+        self, name: str, source: str, revision: str | None = None, follow: bool = False
+    ) -> dict[str, Any]:
+        """Add ``name`` from ``source``, or swap it to a new version; the adapter's record."""
+        ...
+
+    async def remove_adapter(self, name: str) -> None: ...
+
+    async def rollback_adapter(self, name: str) -> dict[str, Any]:
+        """Serve ``name``'s previous version again; the adapter's record."""
+        ...
+
+    async def engine_report(self) -> dict[str, Any]:
+        """``GET /admin/engine``: the supervision (its log tail included), what loragate chose
+        for the engine, and the memory its processes hold (``rss_bytes``)."""
+        ...
+
+    async def restart_engine(self) -> EngineSnapshot:
+        """Ask for a restart; the engine's snapshot once it was asked."""
+        ...
+
+
+def admin_of(backend: GatewayBackend) -> AdminBackend:
+    """``backend``'s admin interface, or the 404 every admin route gives a backend that has
+    none (an upstream URL, a custom backend: no engine or adapters of the gateway's own)."""
+    if not isinstance(backend, AdminBackend):
+        raise OpenAIError(
+            404, "This gateway's backend has no managed engine or adapters.", code="not_supported"
+        )
+    return backend
 
 
 def engine_snapshot_of(backend: GatewayBackend) -> EngineSnapshot | None:

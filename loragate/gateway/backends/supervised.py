@@ -40,7 +40,7 @@ from loragate.settings import Settings
 from loragate.supervisor.client import EngineClient
 from loragate.supervisor.command import EngineSpec
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
-from loragate.supervisor.process import GatewayLock
+from loragate.supervisor.process import GatewayLock, tree_rss_bytes
 from loragate.supervisor.states import EngineSnapshot, EngineState
 from loragate.supervisor.systemd import SystemdNotifier, extend_start_while, watchdog_loop
 
@@ -414,7 +414,7 @@ class SupervisedEngineBackend:
         if self.slots is not None:
             self.slots.release(engine_id)
 
-    # ----- what metrics, status and admin routes read ---------------------------------------
+    # ----- what metrics and status read (``ObservableBackend``) ------------------------------
 
     def engine_snapshot(self) -> EngineSnapshot:
         return self.supervisor.snapshot()
@@ -431,25 +431,95 @@ class SupervisedEngineBackend:
             return None
         return await scrape_engine_metrics(endpoint, self.rename_engine_ids)
 
-    def engine_report(self) -> dict[str, Any]:
-        """``GET /admin/engine``: the supervision, its log tail and what loragate chose."""
+    # ----- admin (``AdminBackend``) ----------------------------------------------------------
+
+    async def engine_report(self) -> dict[str, Any]:
+        info = self.supervisor.info()
+        launcher = info.get("launcher_pid")
+        rss = await asyncio.to_thread(tree_rss_bytes, launcher) if launcher else None
         return {
-            **self.supervisor.info(),
+            **info,
             "memory": self.memory_plan,
             "cpu_lora_ops": self.cpu_lora_ops,
             "base_routing": "zero-adapter" if self.zero_adapter else "direct",
+            "rss_bytes": rss,
         }
 
     async def restart_engine(self) -> EngineSnapshot:
         await self.supervisor.restart()
         return self.supervisor.snapshot()
 
-    # ----- admin ------------------------------------------------------------------------------
-
     def require_manager(self) -> AdapterManager:
         if self.manager is None:
             raise OpenAIError(503, "the gateway is still starting", code="engine_starting")
         return self.manager
+
+    def _changeable_manager(self) -> AdapterManager:
+        """The manager, for a change to this gateway's adapters: refused when a fleet manifest
+        owns them (a change here would diverge from the other replicas)."""
+        if self.fleet is not None:
+            raise OpenAIError(
+                409,
+                f"this gateway serves the adapters of the manifest {self.fleet.report()['source']}"
+                "; change the manifest instead (every replica following it converges on the "
+                "change)",
+                code="managed_by_manifest",
+            )
+        return self.require_manager()
+
+    def admit_adapter_change(self) -> None:
+        self._changeable_manager()
+
+    def adapters_report(self) -> dict[str, Any]:
+        manager = self.require_manager()
+        return {
+            "base_model": manager.base_name,
+            "data": manager.list(),
+            # Adds running now or finished lately (a failed add of a new name shows only here).
+            "progress": [record.as_dict() for record in manager.progress.all()],
+            "adapters_manifest": self.fleet.report() if self.fleet is not None else None,
+        }
+
+    def adapter_report(self, name: str) -> dict[str, Any]:
+        manager = self.require_manager()
+        record = manager.progress.get(name)
+        try:
+            body = manager.describe(name)
+        except KeyError:
+            if record is None:
+                raise OpenAIError(
+                    404, f"no adapter named {name!r}", code="adapter_not_found"
+                ) from None
+            body = {"name": name, "state": record.stage if record.finished else "adding"}
+        return {**body, "progress": record.as_dict() if record else None}
+
+    async def put_adapter(
+        self, name: str, source: str, revision: str | None = None, follow: bool = False
+    ) -> dict[str, Any]:
+        manager = self._changeable_manager()
+        try:
+            return await manager.put(name, source, revision, follow)
+        except AdapterError as exc:
+            raise _refusal(exc) from None
+
+    async def remove_adapter(self, name: str) -> None:
+        manager = self._changeable_manager()
+        try:
+            await manager.remove(name)
+        except AdapterError as exc:
+            raise _refusal(exc) from None
+
+    async def rollback_adapter(self, name: str) -> dict[str, Any]:
+        manager = self._changeable_manager()
+        try:
+            return await manager.rollback(name)
+        except AdapterError as exc:
+            raise _refusal(exc) from None
+
+
+def _refusal(exc: AdapterError) -> OpenAIError:
+    """An adapter operation's error as the answer a client gets: its status, text and code."""
+    return OpenAIError(exc.status, str(exc), code=exc.code)
 
 
 def _nothing() -> None:
