@@ -1,7 +1,7 @@
 """Converging on the fleet's adapter manifest: on start, then every follow interval.
 
 Each pass fetches the manifest and, for every adapter whose entry differs from what this
-gateway serves, goes through the admin API's own path (``AdapterManager.put``: fetch, convert,
+gateway serves, goes through the admin API's own path (the manager's ``put``: fetch, convert,
 validate, store, versioned swap with no failed request); adapters the manifest no longer names
 are removed. A rollback is an entry naming an earlier version again (its files are still in
 the store). A version that is refused (it does not validate, the engine refuses it, its digest
@@ -23,11 +23,10 @@ the one this gateway serves in full (every entry applied), so replicas can be co
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from typing import Any, Protocol
 
 from loragate.adapters.errors import AdapterError
 from loragate.adapters.fleet_manifest import (
@@ -38,20 +37,32 @@ from loragate.adapters.fleet_manifest import (
     parse_fleet_manifest,
 )
 from loragate.adapters.manifest import ManifestEntry
+from loragate.adapters.watch import PeriodicTask, ServedAdapters
 from loragate.logs import redact, redact_urls
-
-if TYPE_CHECKING:
-    from loragate.adapters.manager import AdapterManager
 
 log = logging.getLogger("loragate.adapters")
 
 Fetcher = Callable[[str], bytes]
 
 
+class FleetAdapters(ServedAdapters, Protocol):
+    """What the reconciler needs of the adapter manager besides its entries and ``put``."""
+
+    def manifest_names(self) -> set[str]:
+        """Every adapter the manager holds, its manifest entry readable or not."""
+        ...
+
+    def failed_names(self) -> Collection[str]:
+        """The adapters not served as their entry says (a boot or a repair that failed)."""
+        ...
+
+    async def remove(self, name: str) -> None: ...
+
+
 class FleetReconciler:
     def __init__(
         self,
-        manager: AdapterManager,
+        manager: FleetAdapters,
         source: str,
         interval: float,
         fetch: Fetcher = fetch_fleet_manifest,
@@ -59,7 +70,6 @@ class FleetReconciler:
     ) -> None:
         self._manager = manager
         self.source = source
-        self.interval = interval
         self.max_removals = max_removals
         self._fetch = fetch
         self._applied: dict[str, DesiredAdapter] = {}
@@ -70,30 +80,15 @@ class FleetReconciler:
         self.serving_revision: str | None = None
         self.passes = 0
         self.checked_at: float | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._loop = PeriodicTask("adapters-manifest", self.reconcile, interval, first_at_once=True)
 
     # ----- life cycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="adapters-manifest")
+        self._loop.start()
 
     async def aclose(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.reconcile()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # keep converging whatever one pass did
-                log.exception("adapters manifest: a pass failed")
-            await asyncio.sleep(self.interval)
+        await self._loop.aclose()
 
     # ----- what /health and the admin API report -------------------------------------------
 
@@ -185,8 +180,7 @@ class FleetReconciler:
             self._applied[name] = desired
             self.errors.pop(name, None)
             self._refused.pop(name, None)
-        held = set(manager.manifest.entries) | set(manager.manifest.unreadable)
-        gone = sorted(held - set(manifest.adapters))
+        gone = sorted(manager.manifest_names() - set(manifest.adapters))
         if len(gone) > self.max_removals:
             complete = False
             self.manifest_error = (
@@ -205,15 +199,15 @@ class FleetReconciler:
                 log.error("adapters manifest: %s not removed: %s", name, self.errors[name])
                 continue
             self._applied.pop(name, None)
-        for name in set(self.errors) - set(manifest.adapters) - set(manager.manifest.entries):
+        for name in set(self.errors) - set(manifest.adapters) - set(manager.adapter_entries()):
             del self.errors[name]
         self._refused = {n: d for n, d in self._refused.items() if n in manifest.adapters}
         return complete
 
     def _serves(self, name: str, desired: DesiredAdapter) -> bool:
         """Whether ``name`` is served as ``desired`` says, without fetching anything."""
-        entry = self._manager.manifest.entries.get(name)
-        if entry is None or name in self._manager.failures:
+        entry = self._manager.adapter_entries().get(name)
+        if entry is None or name in self._manager.failed_names():
             return False
         if self._applied.get(name) == desired:
             return True

@@ -23,13 +23,12 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 from loragate.adapters.engine_versions import EngineVersions, engine_id
 from loragate.adapters.errors import AdapterError, disk_error
-from loragate.adapters.follow import AdapterFollower
 from loragate.adapters.intake.pipeline import PreparedVersion
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
@@ -38,7 +37,7 @@ from loragate.adapters.provenance import Provenance
 from loragate.adapters.routing import RoutingTable
 from loragate.adapters.stats import AdapterStats
 from loragate.adapters.store import AdapterStore, TamperedAdapterError
-from loragate.adapters.store_watch import StoreWatch
+from loragate.adapters.watch import AdapterFollower, StoreWatch
 from loragate.adapters.zero_adapter import write_zero_adapter
 from loragate.logs import redact_urls
 from loragate.supervisor.client import EngineClient, EngineRefused
@@ -76,7 +75,6 @@ class AdapterManager:
         zero_adapter_root: Path | None,
         drain_timeout: float = 30.0,
         ready_timeout: float = 900.0,
-        follow_interval: float = 30.0,
     ) -> None:
         self.store = store
         self.manifest = manifest
@@ -111,8 +109,32 @@ class AdapterManager:
                 f"its entry in the adapter manifest {manifest.path} cannot be read ({why}); "
                 "PUT the adapter again or DELETE it"
             )
-        self.follower = AdapterFollower(self, follow_interval)
-        self.store_watch = StoreWatch(self, follow_interval)
+        # Given by ``watch_with`` (``wiring`` builds them); until then nothing watches.
+        self.follower: AdapterFollower | _Unwatched = _Unwatched()
+        self.store_watch: StoreWatch | _Unwatched = _Unwatched()
+
+    def watch_with(self, follower: AdapterFollower, store_watch: StoreWatch) -> None:
+        """Have ``follower`` told of each change of what is followed and ``describe`` show its
+        errors; both close with the manager. Built in ``wiring`` on this manager: they reach it
+        through the protocols of ``watch``, and it only starts and stops them."""
+        self.follower, self.store_watch = follower, store_watch
+
+    # ----- what the watchers ask (the protocols of ``watch`` and ``fleet_reconciler``) -------
+
+    def adapter_entries(self) -> Mapping[str, ManifestEntry]:
+        return self.manifest.entries
+
+    def manifest_names(self) -> set[str]:
+        return set(self.manifest.entries) | set(self.manifest.unreadable)
+
+    def failed_names(self) -> Collection[str]:
+        return self.failures.keys()
+
+    def note_store_repair(self) -> None:
+        self.counters["store_repairs"] += 1
+
+    def mark_failed(self, name: str, reason: str) -> None:
+        self.failures[name] = reason
 
     # ----- what the gateway asks -----------------------------------------------------------
 
@@ -327,8 +349,7 @@ class AdapterManager:
         }
 
     def list(self) -> list[dict[str, Any]]:
-        names = set(self.manifest.entries) | set(self.manifest.unreadable)
-        return [self.describe(name) for name in sorted(names)]
+        return [self.describe(name) for name in sorted(self.manifest_names())]
 
     async def aclose(self) -> None:
         await self.follower.aclose()
@@ -396,6 +417,23 @@ class AdapterManager:
         # Store bookkeeping reads and writes files (eviction: every version's metadata).
         await asyncio.to_thread(self.store.touch, stored)
         await asyncio.to_thread(self.store.evict, self.manifest.versions_in_use())
+
+
+class _Unwatched:
+    """The watchers of a manager that none were given (one a test builds): nothing is
+    followed or checked, and no follow error is shown."""
+
+    def sync(self) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def error(self, name: str) -> str | None:
+        return None
+
+    async def aclose(self) -> None:
+        pass
 
 
 def _unreadable_entry(name: str, error: str | None) -> dict[str, Any]:

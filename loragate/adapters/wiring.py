@@ -18,6 +18,7 @@ from loragate.adapters.intake.source_networks import allow_source_networks
 from loragate.adapters.manager import AdapterManager
 from loragate.adapters.manifest import Manifest
 from loragate.adapters.store import AdapterStore, write_atomic
+from loragate.adapters.watch import AdapterFollower, StoreWatch
 from loragate.settings import Settings
 from loragate.supervisor.client import EngineClient
 from loragate.supervisor.engine import EngineSupervisor
@@ -67,7 +68,7 @@ def adapter_manager_for(
         base_config=base_config,
         max_lora_rank=settings.max_lora_rank,
     )
-    return AdapterManager(
+    manager = AdapterManager(
         store=store,
         manifest=manifest,
         engine=engine,
@@ -78,5 +79,8 @@ def adapter_manager_for(
         zero_adapter_root=adapters_root / "zero" if zero_adapter else None,
         drain_timeout=settings.drain_timeout,
         ready_timeout=settings.queue_deadline,
-        follow_interval=settings.follow_interval,
     )
+    # The watchers reach the manager through their protocols only (``watch``): handed it here.
+    interval = settings.follow_interval
+    manager.watch_with(AdapterFollower(manager, interval), StoreWatch(manager, store, interval))
+    return manager

@@ -19,6 +19,7 @@ from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.manifest import Manifest
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore
+from loragate.adapters.watch import StoreWatch
 from loragate.logs import redact, redact_urls
 from loragate.supervisor.client import EngineClient
 from loragate.supervisor.command import EngineSpec, engine_env
@@ -85,7 +86,7 @@ async def test_admin_listing_errors_and_health_reasons_show_sources_redacted(
     weights.chmod(0o644)
     weights.write_bytes(b"tampered")
     source_gone.set()
-    assert list(await manager.store_watch.check()) == ["signed"]
+    assert list(await StoreWatch(manager, store, interval=1).check()) == ["signed"]
     assert "could not be stored again" in manager.failures["signed"]
     assert shows_no_secret(json.dumps(manager.failures))
     await manager.aclose()

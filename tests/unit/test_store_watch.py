@@ -1,30 +1,45 @@
-"""The store watch: a live version modified on disk is stored again from its source."""
+"""The watchers of ``adapters.watch``: the store watch (a live version modified on disk is
+stored again from its source), the follower, and the periodic loop both run on."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
-from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from loragate.adapters.manager import AdapterError
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore
-from loragate.adapters.store_watch import StoreWatch
+from loragate.adapters.watch import AdapterFollower, PeriodicTask, StoreWatch
 
 
 class FakeManager:
-    """What the watch uses of AdapterManager; ``put`` stores the source dir again."""
+    """What the watch asks of the manager (``RepairedAdapters``); ``put`` stores the source dir
+    again."""
 
     def __init__(self, root: Path, source_gone: bool = False) -> None:
         self.store = AdapterStore(root / "store")
         self.manifest = Manifest(root / "manifest.json")
         self.failures: dict[str, str] = {}
-        self.counters: defaultdict[str, int] = defaultdict(int)
+        self.repairs = 0
         self.puts: list[str] = []
         self.source_gone = source_gone
+
+    def adapter_entries(self) -> Mapping[str, ManifestEntry]:
+        return self.manifest.entries
+
+    def note_store_repair(self) -> None:
+        self.repairs += 1
+
+    def mark_failed(self, name: str, reason: str) -> None:
+        self.failures[name] = reason
 
     async def put(
         self,
@@ -66,14 +81,14 @@ async def test_untouched_versions_pass_and_a_modified_one_is_stored_again(tmp_pa
     manager = FakeManager(tmp_path)
     weights = live_adapter(manager, tmp_path, "pong")
     live_adapter(manager, tmp_path, "fox")
-    watch = StoreWatch(manager, interval=1)  # type: ignore[arg-type]
+    watch = StoreWatch(manager, manager.store, interval=1)
     assert await watch.check() == {}
     assert await watch.check() == {} and manager.puts == []
 
     tamper(weights)
     damaged = await watch.check()
     assert list(damaged) == ["pong"] and "sha256" in damaged["pong"]
-    assert manager.puts == ["pong"] and manager.counters["store_repairs"] == 1
+    assert manager.puts == ["pong"] and manager.repairs == 1
     assert weights.read_bytes() == b"weights of pong"  # the same content, back in its place
     assert await watch.check() == {} and manager.failures == {}
 
@@ -81,7 +96,7 @@ async def test_untouched_versions_pass_and_a_modified_one_is_stored_again(tmp_pa
 async def test_a_version_that_cannot_be_restored_is_marked_failed_once(tmp_path: Path) -> None:
     manager = FakeManager(tmp_path, source_gone=True)
     weights = live_adapter(manager, tmp_path, "owl")
-    watch = StoreWatch(manager, interval=1)  # type: ignore[arg-type]
+    watch = StoreWatch(manager, manager.store, interval=1)
     tamper(weights)
     assert list(await watch.check()) == ["owl"]
     assert "could not be stored again" in manager.failures["owl"]
@@ -93,7 +108,7 @@ async def test_missing_files_count_as_damage(tmp_path: Path) -> None:
     manager = FakeManager(tmp_path)
     weights = live_adapter(manager, tmp_path, "pong")
     weights.unlink()
-    watch = StoreWatch(manager, interval=1)  # type: ignore[arg-type]
+    watch = StoreWatch(manager, manager.store, interval=1)
     assert "missing" in (await watch.check())["pong"]
     assert weights.read_bytes() == b"weights of pong"
 
@@ -104,7 +119,7 @@ async def test_a_version_with_garbled_metadata_is_stored_again_from_its_source(
     manager = FakeManager(tmp_path)
     weights = live_adapter(manager, tmp_path, "pong")
     (weights.parent / ".loragate.json").write_text('{"files": ')
-    watch = StoreWatch(manager, interval=1)  # type: ignore[arg-type]
+    watch = StoreWatch(manager, manager.store, interval=1)
     damaged = await watch.check()
     assert list(damaged) == ["pong"] and "damaged" in damaged["pong"]
     assert manager.puts == ["pong"]
@@ -140,7 +155,7 @@ async def test_a_damaged_version_whose_source_changed_is_not_swapped(tmp_path: P
     tiny_adapter(source, rank=8)  # the source now holds other weights
     tamper(weights)
 
-    damaged = await StoreWatch(manager, interval=1).check()
+    damaged = await StoreWatch(manager, manager.store, interval=1).check()
     assert list(damaged) == ["fox"] and "sha256" in damaged["fox"]
     assert manager.manifest.entries["fox"].active == served  # not the source's new weights
     assert manager.routes.get("fox") == f"fox@{served[:12]}"
@@ -157,9 +172,134 @@ async def test_a_damaged_version_whose_source_is_unchanged_is_repaired(tmp_path:
     good = weights.read_bytes()
     tamper(weights)
 
-    damaged = await StoreWatch(manager, interval=1).check()
+    damaged = await StoreWatch(manager, manager.store, interval=1).check()
     assert list(damaged) == ["fox"]
     assert weights.read_bytes() == good and manager.counters["store_repairs"] == 1
     assert manager.manifest.entries["fox"].active == served
     assert manager.describe("fox")["state"] == "ready" and manager.failures == {}
     await manager.aclose()
+
+
+# ----- the periodic loop every watcher runs on ----------------------------------------------
+
+
+async def test_the_loop_survives_a_pass_that_raises_and_stops_promptly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    passes: list[int] = []
+    third = asyncio.Event()
+
+    async def step() -> None:
+        passes.append(len(passes))
+        if len(passes) == 1:
+            raise OSError(28, "No space left on device")
+        if len(passes) == 3:
+            third.set()
+
+    loop = PeriodicTask("test-watch", step, interval=0.01)
+    loop.start()
+    await asyncio.wait_for(third.wait(), 5)  # the passes after the one that raised still ran
+    assert loop.running
+    assert "test-watch: a pass failed" in caplog.text and "No space left" in caplog.text
+    await asyncio.wait_for(loop.aclose(), 1)
+    assert not loop.running
+    ran = len(passes)
+    await asyncio.sleep(0.05)
+    assert len(passes) == ran  # nothing runs after aclose
+
+
+async def test_the_loop_stops_promptly_mid_pass_and_mid_wait() -> None:
+    entered = asyncio.Event()
+
+    async def endless() -> None:
+        entered.set()
+        await asyncio.Event().wait()
+
+    busy = PeriodicTask("busy", endless, interval=3600, first_at_once=True)
+    busy.start()
+    await asyncio.wait_for(entered.wait(), 5)
+    await asyncio.wait_for(busy.aclose(), 1)  # the pass in flight is cancelled
+
+    idle = PeriodicTask("idle", endless, interval=3600)  # waits an interval before its first pass
+    idle.start()
+    await asyncio.sleep(0.01)
+    assert idle.running
+    await asyncio.wait_for(idle.aclose(), 1)
+    assert not idle.running
+
+
+# ----- follow mode: a moved source goes through ``put``; a refused version is skipped once -----
+
+
+class Followed:
+    """What the follower asks of the manager (``ServedAdapters``): entries and ``put``; and
+    each source's change marker, as the fingerprint function reads it."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, ManifestEntry] = {}
+        self.markers: dict[str, str] = {}
+        self.puts: list[str] = []
+        self.refuse = False
+
+    def adapter_entries(self) -> Mapping[str, ManifestEntry]:
+        return self.entries
+
+    async def put(
+        self,
+        name: str,
+        source: str,
+        revision: str | None = None,
+        follow: bool = False,
+        *,
+        digest: str | None = None,
+    ) -> dict[str, Any]:
+        self.puts.append(name)
+        if self.refuse:
+            raise AdapterError("adapter_config.json: rank 64 is above --max-lora-rank 16")
+        old = self.entries[name]
+        marker = self.markers[source]
+        self.entries[name] = replace(old, provenance=Provenance(source, revision, marker))
+        return {}
+
+
+async def test_the_follower_swaps_a_moved_source_and_skips_a_refused_version_once() -> None:
+    adapters = Followed()
+    adapters.markers["hub:fox"] = "commit-1"
+    adapters.entries["fox"] = ManifestEntry(
+        name="fox", active="a" * 64, provenance=Provenance("hub:fox", None, "commit-1"), follow=True
+    )
+    follower = AdapterFollower(adapters, 3600, fingerprint=lambda src, _: adapters.markers[src])
+    assert not await follower.check("fox") and adapters.puts == []  # unchanged: nothing fetched
+
+    adapters.markers["hub:fox"] = "commit-2"
+    adapters.refuse = True
+    assert not await follower.check("fox") and adapters.puts == ["fox"]
+    assert "rank 64" in (follower.error("fox") or "")
+    assert not await follower.check("fox") and adapters.puts == ["fox"]  # not retried
+
+    adapters.markers["hub:fox"] = "commit-3"
+    adapters.refuse = False
+    assert await follower.check("fox") and adapters.puts == ["fox", "fox"]
+    assert follower.error("fox") is None
+
+
+async def test_the_follower_polls_exactly_the_adapters_marked_follow() -> None:
+    adapters = Followed()
+    for name, follow in (("fox", True), ("owl", False)):
+        adapters.entries[name] = ManifestEntry(
+            name=name, active="a" * 64, provenance=Provenance(name), follow=follow
+        )
+    follower = AdapterFollower(adapters, 3600, fingerprint=lambda _source, _rev: None)
+    follower.sync()
+    polling = {t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("follow-")}
+    assert polling == {"follow-fox"}
+    adapters.entries["fox"] = replace(adapters.entries["fox"], follow=False)
+    follower.sync()
+    await asyncio.sleep(0)
+    polling = {
+        t.get_name()
+        for t in asyncio.all_tasks()
+        if t.get_name().startswith("follow-") and not t.done()
+    }
+    assert polling == set()
+    await follower.aclose()
