@@ -1,4 +1,5 @@
-"""The adapter layer for one base model, put together from the settings.
+"""The adapter layer for one base model, put together from the settings: the manager, and the
+watchers (``watch``, ``fleet_reconciler``) handed the manager through their protocols.
 
 The store (content-addressed: a cache) lives under ``CACHE_DIR/adapters``, the manifest (what
 was added at runtime: state) under ``STATE_DIR/adapters/manifests``, which is the cache dir's own
@@ -13,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from loragate.adapters.fleet_reconciler import FleetReconciler
 from loragate.adapters.intake.pipeline import AdapterPipeline
 from loragate.adapters.intake.source_networks import allow_source_networks
 from loragate.adapters.manager import AdapterManager
@@ -84,3 +86,16 @@ def adapter_manager_for(
     interval = settings.follow_interval
     manager.watch_with(AdapterFollower(manager, interval), StoreWatch(manager, store, interval))
     return manager
+
+
+def fleet_reconciler_for(settings: Settings, manager: AdapterManager) -> FleetReconciler | None:
+    """What converges ``manager`` on ``--adapters-manifest``, handed the manager as its
+    protocol; None when no manifest is set (the admin API alone changes the adapters)."""
+    if not settings.adapters_manifest:
+        return None
+    return FleetReconciler(
+        manager,
+        settings.adapters_manifest,
+        settings.follow_interval,
+        max_removals=settings.fleet_max_removals,
+    )

@@ -25,7 +25,7 @@ from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.progress import WaitProgress, current_progress
 from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.stats import AdapterStats
-from loragate.adapters.wiring import adapter_manager_for
+from loragate.adapters.wiring import adapter_manager_for, fleet_reconciler_for
 from loragate.engine_flags import engine_arg_value
 from loragate.gateway import spans
 from loragate.gateway.backends.base import EngineCall, json_post
@@ -214,14 +214,9 @@ class SupervisedEngineBackend:
             base_name=self.base_name,
             zero_adapter=self.zero_adapter,
         )
-        if settings.adapters_manifest:
+        self.fleet = fleet_reconciler_for(settings, self.manager)
+        if self.fleet is not None:
             # The manifest names every adapter (the demo's and a Vi run's included).
-            self.fleet = FleetReconciler(
-                self.manager,
-                settings.adapters_manifest,
-                settings.follow_interval,
-                max_removals=settings.fleet_max_removals,
-            )
             boot_loras = []
         await self.manager.declare_all(boot_loras)
         self.manager.follower.sync()
