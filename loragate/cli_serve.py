@@ -126,7 +126,13 @@ def serve(
     import uvicorn
 
     from loragate.gateway.server_options import server_options
+    from loragate.gateway.uvicorn_fit import UnfitUvicorn
 
+    try:
+        options = server_options(asgi)
+    except UnfitUvicorn as exc:
+        fail(str(exc), FAILURE)
+        return
     # What is alive now (modules, the app) lives as long as the process: out of the
     # collector's sight, a collection walks only what requests allocate (a gen-1 pass takes
     # about 0.6 ms instead of 1 ms, and a full one no longer walks ~70k objects).
@@ -134,7 +140,7 @@ def serve(
     gc.freeze()
     uvicorn.run(
         asgi,
-        **server_options(asgi),
+        **options,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

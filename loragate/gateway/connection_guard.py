@@ -25,7 +25,9 @@ discarding what the client still sends, so the answer is not lost to a TCP reset
 The hot protocol (``hot_protocol``) subclasses this one, and ``server_options`` serves with
 one of the two whenever it has the gateway's settings, so the same limits hold on the hot
 path and on plain ASGI. Everything it touches of uvicorn is the parser callbacks, the asyncio
-protocol methods and a few attributes (``fits_this_uvicorn`` checks them).
+protocol methods and a few attributes, imported behind a guard: ``uvicorn_fit.guard_unfit``
+says whether the installed uvicorn still has them, and where it does not ``gateway serve``
+refuses to start rather than serve without these limits.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ import time
 from typing import Any, Self, cast
 
 import orjson
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.security_headers import SECURITY_HEADERS
+from loragate.gateway.uvicorn_fit import STATUS_LINE, HttpToolsProtocol
 from loragate.settings.request_limits import RequestLimitFields
 
 log = logging.getLogger("loragate.gateway")
@@ -56,25 +58,6 @@ LINGER_SECONDS = 2.0
 still sends, so the answer reaches it before the close; a reset would discard it."""
 
 _IDLE, _HEAD, _BODY = 0, 1, 2  # where the connection is in its current request
-
-_CALLBACKS = (
-    "connection_made",
-    "connection_lost",
-    "data_received",
-    "pause_writing",
-    "resume_writing",
-    "on_message_begin",
-    "on_headers_complete",
-    "on_body",
-    "on_message_complete",
-    "send_400_response",
-    "_start_asgi_task",
-)
-
-
-def fits_this_uvicorn() -> bool:
-    """Whether the installed uvicorn's httptools protocol has the methods this one extends."""
-    return all(callable(getattr(HttpToolsProtocol, name, None)) for name in _CALLBACKS)
 
 
 class _NoteOnce:

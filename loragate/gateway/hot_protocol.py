@@ -16,21 +16,29 @@ protocol this one extends: deadlines, the header budget, requests counted agains
 (``start_request``) for the hot routes, and drives the same ``RequestResponseCycle`` uvicorn
 made for it. It is used only with CORS off (CORS headers come from the ASGI middleware);
 every other route, and any ASGI server, goes through the app.
+
+What it stands in for, it does as the uvicorn releases it was checked on do: the task per
+request (``_start_asgi_task``: counted in the server's tasks, in a fresh context when
+``--reset-contextvars`` asks for one), the answer (``RequestResponseCycle.send``: status
+line, uvicorn's default headers, ``connection: close`` off keep-alive, no more waiting to
+send ``100 Continue``, then the cycle completed and the next pipelined request started) and
+the end of it (``run_asgi``: a 500 or a close on an error, the cycle's callback dropped). A
+uvicorn whose copy of any of those differs from the ones it was checked on is one it
+refuses (``uvicorn_fit.fast_path_unfit``, a fingerprint per piece): ``gateway serve`` then
+serves every route through plain ASGI and says why in one log line.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
+import contextvars
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from starlette.responses import Response
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
-from loragate.gateway import connection_guard
 from loragate.gateway.connection_guard import SECURITY_LINES, GuardedProtocol
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.metrics import (
@@ -49,6 +57,10 @@ from loragate.gateway.requests.body import (
 from loragate.gateway.routes import inference
 from loragate.gateway.runtime import Gateway
 from loragate.gateway.security_headers import SECURITY_HEADERS
+from loragate.gateway.uvicorn_fit import STATUS_LINE
+
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 log = logging.getLogger("loragate.gateway")
 
@@ -73,27 +85,6 @@ class HotRequest:
         self.headers = headers
 
 
-_CYCLE_PARTS = {
-    "transport",
-    "flow",
-    "default_headers",
-    "message_event",
-    "keep_alive",
-    "on_response",
-}
-
-
-def fits_this_uvicorn() -> bool:
-    """Whether the installed uvicorn has the protocol internals this module builds on.
-
-    It subclasses uvicorn's httptools protocol and drives its request cycle, which are not
-    public API; with a uvicorn that changed them, ``gateway serve`` keeps plain ASGI (slower,
-    never wrong) and says so in its log.
-    """
-    parameters = set(inspect.signature(RequestResponseCycle.__init__).parameters)
-    return connection_guard.fits_this_uvicorn() and parameters.issuperset(_CYCLE_PARTS)
-
-
 def hot_protocol(gateway: Gateway) -> type[HotRouteProtocol]:
     """uvicorn's ``http`` protocol class for this gateway (pass it as ``uvicorn.run(http=...)``)."""
     return HotRouteProtocol.bound_to(gateway.settings, gateway=gateway)
@@ -113,7 +104,11 @@ class HotRouteProtocol(GuardedProtocol):
         if endpoint is None:
             super().start_request(cycle, app)
             return
-        task = self.loop.create_task(self._answer(cycle, scope["path"], endpoint))
+        answer = self._answer(cycle, scope["path"], endpoint)
+        if self.config.reset_contextvars:  # as uvicorn's own task start does (0.53 on)
+            task = self.loop.create_task(answer, context=contextvars.Context())
+        else:
+            task = self.loop.create_task(answer)
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
 
@@ -171,6 +166,7 @@ class HotRouteProtocol(GuardedProtocol):
         finally:
             if self._answering is answering:  # not yet the next pipelined request's
                 self._answering = None
+            cycle.on_response = _nothing  # as run_asgi: a finished cycle starts nothing more
             current_observation.reset(token)
             scope = cast(dict[str, Any], cycle.scope)
             settle(metrics, route, observation, scope, gateway.settings.access_log)
@@ -209,6 +205,7 @@ class HotRouteProtocol(GuardedProtocol):
     ) -> None:
         """Head and body in one write: the client wakes once, to a complete answer."""
         cycle.response_started = True
+        cycle.waiting_for_100_continue = False
         if cycle.disconnected:
             return
         parts = self._head(cycle, status, headers)
@@ -222,6 +219,7 @@ class HotRouteProtocol(GuardedProtocol):
         """Pass a stream on as it comes, chunked: the head at once (as the engine sent its own),
         then each chunk straight from the upstream connection's callback (``pipe``)."""
         cycle.response_started = True
+        cycle.waiting_for_100_continue = False
         transport, flow = cycle.transport, cycle.flow
         self._relaying = response
         try:
@@ -255,6 +253,10 @@ class HotRouteProtocol(GuardedProtocol):
         relaying = self._relaying
         if relaying is not None:
             relaying.release()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _complete(cycle: RequestResponseCycle) -> None:

@@ -10,10 +10,16 @@ import importlib.util
 import logging
 from typing import Any
 
-from loragate.gateway import connection_guard
 from loragate.gateway.connection_guard import GuardedProtocol
-from loragate.gateway.hot_protocol import fits_this_uvicorn, hot_protocol
+from loragate.gateway.hot_protocol import hot_protocol
 from loragate.gateway.runtime import Gateway
+from loragate.gateway.uvicorn_fit import (
+    TESTED_ON,
+    UVICORN_VERSION,
+    UnfitUvicorn,
+    fast_path_unfit,
+    guard_unfit,
+)
 
 KEEP_ALIVE_SECONDS = 30.0
 """How long the gateway keeps an idle client connection open (uvicorn's default is 5 s).
@@ -37,6 +43,12 @@ def server_options(app: Any = None) -> dict[str, Any]:
     would leave the guard. uvicorn's X-Forwarded-For middleware is left out: the gateway
     uses the client's address only to keep ``open_admin`` to loopback clients, and a proxy's
     header must not fake that. Idle connections stay open ``KEEP_ALIVE_SECONDS``.
+
+    Which path serves is said in one log line (``uvicorn_fit`` decides what this uvicorn
+    allows): the fast path; or plain ASGI, and why (CORS on, or this uvicorn's internals
+    differ from those the fast path was checked on). A uvicorn the connection guard cannot
+    hook into raises ``UnfitUvicorn`` instead: serving without its deadlines would leave the
+    gateway open to slow and idle clients, and nobody would notice.
     """
     options: dict[str, Any] = {
         "proxy_headers": False,
@@ -48,26 +60,30 @@ def server_options(app: Any = None) -> dict[str, Any]:
     gateway = getattr(getattr(app, "state", None), "gateway", None)
     if not isinstance(gateway, Gateway):
         return options
+    unfit = guard_unfit()
+    if unfit is not None:
+        raise UnfitUvicorn(
+            f"loragate's connection guard (header, body and write deadlines, header budget, "
+            f"--limit-concurrency per request) cannot run on uvicorn {UVICORN_VERSION}: "
+            f"{unfit}; install one it was checked on (pip install 'uvicorn=={TESTED_ON[-1]}')"
+        )
     settings = gateway.settings
     log = logging.getLogger("loragate.gateway")
-    if not connection_guard.fits_this_uvicorn():
-        log.warning(
-            "this uvicorn's HTTP protocol differs from the one loragate's connection guard was "
-            "built on: no header, body or write deadlines, and --limit-concurrency counts "
-            "connections (uvicorn's own limit)"
-        )
-        options["limit_concurrency"] = settings.limit_concurrency
-        return options
     options["ws"] = "none"
     # The hot protocol answers inference POSTs ahead of every middleware: CORS must see them.
     if settings.cors_origins:
-        options["http"] = GuardedProtocol.bound_to(settings)
-    elif fits_this_uvicorn():
-        options["http"] = hot_protocol(gateway)
+        reason: str | None = "CORS is on (its headers come from the ASGI middleware)"
     else:
-        log.warning(
-            "this uvicorn's request cycle differs from the one loragate's hot path was built "
-            "on; serving every route through ASGI (slower, same answers)"
-        )
-        options["http"] = GuardedProtocol.bound_to(settings)
+        reason = fast_path_unfit()
+    if reason is None:
+        options["http"] = hot_protocol(gateway)
+        log.info("serving the inference routes on the fast path (uvicorn %s)", UVICORN_VERSION)
+        return options
+    options["http"] = GuardedProtocol.bound_to(settings)
+    log.log(
+        logging.INFO if settings.cors_origins else logging.WARNING,
+        "serving every route through plain ASGI behind the connection guard, not the fast "
+        "path (slower, the same answers): %s",
+        reason if settings.cors_origins else f"uvicorn {UVICORN_VERSION}'s {reason}",
+    )
     return options

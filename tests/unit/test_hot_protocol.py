@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import http.client
 import io
 import logging
@@ -22,16 +23,17 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import Response, StreamingResponse
 
-from loragate.gateway import hot_protocol
+from loragate.gateway import hot_protocol, uvicorn_fit
 from loragate.gateway.app import create_app
 from loragate.gateway.connection_guard import GuardedProtocol
 from loragate.gateway.server_options import server_options
 from loragate.http.connection import UpstreamConnection
 from loragate.settings import Settings
-from tests.backend_double import ProxiedBackend, RecordingBackend, serving
+from tests.backend_double import ProxiedBackend, RecordingBackend, free_port, serving
 from tools.bench.fake_engine import FakeEngine, start_server
 
 KEY = "inference-key"
@@ -181,8 +183,53 @@ def test_answers_carry_the_request_id_and_security_headers(
 
 
 def test_the_installed_uvicorn_has_what_the_hot_path_builds_on() -> None:
-    # If a uvicorn upgrade fails this, gateway serve falls back to ASGI: look before pinning.
-    assert hot_protocol.fits_this_uvicorn()
+    # If a uvicorn upgrade fails this, gateway serve falls back to ASGI: see uvicorn_fit.
+    assert uvicorn_fit.fast_path_unfit() is None
+
+
+OUTER: contextvars.ContextVar[str] = contextvars.ContextVar("outer", default="fresh")
+
+
+class ContextEchoBackend(RecordingBackend):
+    """Answers with what ``OUTER`` holds in the task answering the request."""
+
+    async def forward(self, *args: Any, **kwargs: Any) -> Response:
+        return Response(orjson.dumps({"outer": OUTER.get()}), media_type="application/json")
+
+
+def _context_seen(tmp_path: Path, reset: bool, as_served: bool) -> str:
+    app = gateway_app(tmp_path, ContextEchoBackend())
+    options = server_options(app) if as_served else {}
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
+                            reset_contextvars=reset, **options)  # fmt: skip
+    server = uvicorn.Server(config)
+
+    def run() -> None:
+        OUTER.set("the server's")  # what a request task inherits unless it is reset
+        server.run()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        answer = httpx.post(f"http://127.0.0.1:{config.port}/v1/chat/completions",
+                            json=chat(), headers=AUTH, timeout=10)  # fmt: skip
+        return str(answer.json()["outer"])
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_the_hot_path_honours_reset_contextvars_as_uvicorn_does(
+    tmp_path: Path, hot_calls: list[str], reset: bool
+) -> None:
+    hot = _context_seen(tmp_path / "hot", reset, as_served=True)
+    assert hot_calls == ["/v1/chat/completions"]
+    assert hot == _context_seen(tmp_path / "asgi", reset, as_served=False)
+    assert hot == ("fresh" if reset else "the server's")
 
 
 def test_cors_keeps_every_route_on_the_asgi_path_behind_the_same_guard(tmp_path: Path) -> None:
