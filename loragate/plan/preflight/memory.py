@@ -474,9 +474,18 @@ def check_gpu_memory(
         f"{_size(tightest.total_bytes)}, --gpu-memory-utilization)"
     )
     kv = "lower --kv-cache-memory-bytes, " if plan.kv_cache_bytes is not None else ""
-    first = kv + ("raise --gpu-memory-utilization after --, or " if capped else "")
+    # A larger share helps only where what is free would hold the need.
+    share_needed = math.ceil(100 * plan.need_per_gpu / max(tightest.total_bytes, 1)) / 100
+    raise_share = (
+        f"raise --gpu-memory-utilization to {share_needed:g} after --, or "
+        if capped and plan.need_per_gpu <= tightest.free_bytes and share_needed <= 1
+        else ""
+    )
+    first = kv + raise_share
     quantize = (
-        "" if plan.quantization else ", or quantize it as it loads (--quantization fp8 after --)"
+        ""
+        if plan.quantization
+        else ", or quantize it as it loads (--quantization fp8_per_tensor after --)"
     )
     if plan.split == 1:
         lack = share if capped else f"only {_size(room)} of free GPU memory is left on {on}"
