@@ -29,6 +29,7 @@ from loragate.gateway.backends.custom_parameters import (
 )
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.requests.chat import ChatRequest
+from loragate.gateway.requests.parameters import MAX_N
 from loragate.gateway.requests.vi import ViRequest
 
 
@@ -211,9 +212,9 @@ class InferenceBackendAdapter:
         n = payload.get("n", 1)
         if n is None:
             n = 1
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
             raise OpenAIError(
-                400, "'n' must be an integer from 1 to 128.", param="n", code="invalid_value"
+                400, f"'n' must be an integer from 1 to {MAX_N}.", param="n", code="invalid_value"
             )
         options = payload.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
