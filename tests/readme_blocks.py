@@ -1,11 +1,14 @@
-"""The README's code blocks, so that tests run them as written and the README cannot drift.
+"""The code blocks of the README and of docs/*.md, so that tests run them as written and the
+pages cannot drift.
 
-Each fenced block is preceded by an HTML comment saying how it is tested:
+Each fenced block with a language is preceded by an HTML comment saying how it is tested:
 ``<!-- readme-test: KIND -->``, where KIND is ``demo`` (runs against the real demo
 gateway), ``vision`` (against the vision demo), ``backend`` (starts its own server),
 ``config`` (a settings file that must load), ``manifest`` (an adapters manifest that must
-parse), or ``skip: WHY`` (needs a GPU, the network,
-systemd, ...). A block without one fails ``test_every_readme_block_says_how_it_is_tested``.
+parse), or ``skip: WHY`` (needs a GPU, the network, systemd, ...). A block without one fails
+``test_every_readme_block_says_how_it_is_tested``. A fence without a language holds text (a
+file tree, a diagram), never code, and needs no mark. A block moved from the README into
+docs/ is still found by ``blocks_of`` and run by the same tests.
 """
 
 from __future__ import annotations
@@ -19,13 +22,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 KINDS = ("demo", "vision", "backend", "config", "manifest", "skip")
 _MARK = re.compile(r"<!--\s*readme-test:\s*(\w+)(?::\s*(.*?))?\s*-->")
 _DEFAULT_URLS = ("http://127.0.0.1:8000", "http://localhost:8000", "localhost:8000")
 
 
+def pages() -> list[Path]:
+    """The README, then every page of docs/, in name order."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
 @dataclass(frozen=True)
 class Block:
+    page: str  # relative to the repository's root
     line: int  # of the opening fence, 1-based
     lang: str
     code: str
@@ -34,10 +44,14 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}:{self.lang}"
+        return f"{self.page}:{self.line}:{self.lang}"
 
 
-def readme_blocks(path: Path = README) -> list[Block]:
+def readme_blocks(path: Path | None = None) -> list[Block]:
+    """The fenced blocks of ``path``; without one, of every page (``pages()``)."""
+    if path is None:
+        return [block for page in pages() for block in readme_blocks(page)]
+    page = path.resolve().relative_to(ROOT).as_posix()
     lines = path.read_text(encoding="utf-8").splitlines()
     blocks: list[Block] = []
     index = 0
@@ -52,6 +66,7 @@ def readme_blocks(path: Path = README) -> list[Block]:
             mark = _MARK.search(previous)
             blocks.append(
                 Block(
+                    page=page,
                     line=index + 1,
                     lang=lang,
                     code="\n".join(lines[index + 1 : end]) + "\n",
@@ -70,7 +85,7 @@ def blocks_of(kind: str) -> list[Block]:
 
 
 def pointed_at(code: str, url: str) -> str:
-    """``code`` with the README's default address replaced by ``url`` (http://host:port)."""
+    """``code`` with the pages' default address replaced by ``url`` (http://host:port)."""
     for default in _DEFAULT_URLS:
         replacement = url if default.startswith("http") else url.removeprefix("http://")
         code = code.replace(default, replacement)
