@@ -327,3 +327,17 @@ def test_kv_cache_memory_bytes_reads_vllms_suffixes(
 ) -> None:
     model = bf16_4b(tmp_path / "qwen3-4b")
     assert plan_of(model, "--kv-cache-memory-bytes", value).kv_cache_bytes == expected
+
+
+def test_callers_without_the_engines_flags_keep_the_free_memory_room(tmp_path: Path) -> None:
+    # Without engine_args the share is unknown (the user may have raised it after --): only
+    # what is free counts, as before the plan read the flags.
+    model = bf16_4b(tmp_path / "qwen3-4b")
+    legacy = memory_plan(model, dtype_bytes=2)
+    assert legacy is not None
+    assert (legacy.dtype, legacy.gpu_memory_utilization) == (None, None)
+    # 9.2 GiB needed: within the 9.8 GiB free, over the default share (0.9 of 10 GiB).
+    gpu = GpuInfo("0", "NVIDIA L4", 10 * GiB, 98 * GiB // 10)
+    assert legacy.room_on(gpu) == gpu.free_bytes
+    assert check_gpu_memory(model, 2, [gpu], ParallelLayout()) is None
+    assert check_gpu_memory(model, 2, [gpu], ParallelLayout(), engine_args=[]) is not None

@@ -95,7 +95,9 @@ class MemoryPlan:
     bits: float | None = None  # bits per quantized weight, when known
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     kv_cache_bytes: int | None = None  # --kv-cache-memory-bytes (per GPU)
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    # --gpu-memory-utilization; None when the caller had not got the engine's flags (then only
+    # what is free counts, as the check did before it read them).
+    gpu_memory_utilization: float | None = DEFAULT_GPU_MEMORY_UTILIZATION
 
     @property
     def split(self) -> int:
@@ -118,7 +120,7 @@ class MemoryPlan:
     def room_on(self, gpu: GpuInfo) -> int:
         """What vLLM may use of ``gpu``: what is free, and unless ``--kv-cache-memory-bytes``
         sizes the cache, no more than the ``--gpu-memory-utilization`` share of its memory."""
-        if self.kv_cache_bytes is not None:
+        if self.kv_cache_bytes is not None or self.gpu_memory_utilization is None:
             return gpu.free_bytes
         return min(gpu.free_bytes, int(gpu.total_bytes * self.gpu_memory_utilization))
 
@@ -179,7 +181,8 @@ def memory_plan(
     usable ``config.json``) or ``--quantization`` names a method this plan does not know.
 
     ``engine_args`` None stands for a caller that has not got the engine's flags: float
-    weights then count ``dtype_bytes`` each and only the checkpoint's own quantization counts.
+    weights then count ``dtype_bytes`` each, only the checkpoint's own quantization counts, and
+    each GPU's room is what is free (no ``--gpu-memory-utilization`` share).
     """
     if not model_dir.is_dir():
         return None
@@ -190,25 +193,30 @@ def memory_plan(
     else:
         dtype = served_dtype(config, args)
         dtype_bytes = _DTYPE_BYTES[dtype]
+    quantization: str | None = None
+    quantized_by: Literal["--quantization", "checkpoint"] | None = None
+    bits: float | None = None
+    online: tuple[float, bool] | None = None
     stored = _checkpoint_quantization(config)
     flagged = engine_arg_value(args, "--quantization", ("-q",))
-    plan_kwargs: dict[str, Any] = {}
-    online = None
-    if stored is not None:
-        method, bits = stored
-        plan_kwargs = {"quantization": method, "quantized_by": "checkpoint", "bits": bits}
+    if stored is not None:  # the checkpoint's own quantization wins over the flag's
+        (quantization, bits), quantized_by = stored, "checkpoint"
+        if bits is None and not _weight_files(model_dir):
+            return None  # nothing tells the width of its weights
     elif flagged is not None:
         if flagged not in _ONLINE_QUANTIZATION:
             return None
         online = _ONLINE_QUANTIZATION[flagged]
-        plan_kwargs = {"quantization": flagged, "quantized_by": "--quantization"}
-        plan_kwargs["bits"] = online[0]
-    checkpoint_bits = stored[1] if stored is not None else None
-    if stored is not None and checkpoint_bits is None and not _weight_files(model_dir):
-        return None  # a quantized checkpoint without weight files: no way to tell its width
+        quantization, quantized_by, bits = flagged, "--quantization", online[0]
+    checkpoint_bits = bits if quantized_by == "checkpoint" else None
     weights = _weights_bytes(model_dir, config, dtype_bytes, online, checkpoint_bits)
     if weights is None:
         return None
+    share = (
+        None
+        if engine_args is None
+        else _parse_share(engine_arg_value(args, "--gpu-memory-utilization"))
+    )
     return MemoryPlan(
         model_dir=model_dir,
         weights_bytes=weights,
@@ -216,8 +224,10 @@ def memory_plan(
         dtype=dtype,
         layout=layout or ParallelLayout(),
         kv_cache_bytes=_parse_bytes(engine_arg_value(args, "--kv-cache-memory-bytes")),
-        gpu_memory_utilization=_parse_share(engine_arg_value(args, "--gpu-memory-utilization")),
-        **plan_kwargs,
+        gpu_memory_utilization=share,
+        quantization=quantization,
+        quantized_by=quantized_by,
+        bits=bits,
     )
 
 
@@ -229,7 +239,8 @@ def served_dtype(config: dict[str, Any], engine_args: Sequence[str]) -> str:
     if chosen is not None and chosen.lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[chosen.lower()]
     text = _text_config(config)
-    for named in (text.get("torch_dtype"), text.get("dtype"), config.get("torch_dtype")):
+    named_by = ("torch_dtype", "dtype")
+    for named in [text.get(key) for key in named_by] + [config.get(key) for key in named_by]:
         if named in ("float16", "bfloat16"):
             return str(named)
     return "bfloat16"
@@ -470,7 +481,7 @@ def check_gpu_memory(
     on = f"GPU {tightest.index} ({tightest.name})"
     capped = room < tightest.free_bytes  # the share vLLM may take is the limit, not what is free
     share = (
-        f"vLLM may take only {_size(room)} of {on} ({plan.gpu_memory_utilization:g} of its "
+        f"vLLM may take only {_size(room)} of {on} ({plan.gpu_memory_utilization or 1:g} of its "
         f"{_size(tightest.total_bytes)}, --gpu-memory-utilization)"
     )
     kv = "lower --kv-cache-memory-bytes, " if plan.kv_cache_bytes is not None else ""
