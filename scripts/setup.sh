@@ -127,11 +127,13 @@ if [[ ",$extras," == *",test,"* ]]; then
 fi
 
 if [[ ",$extras," == *",test,"* ]]; then
-  # The hot path is tested on both ends of uvicorn's pinned range: the installed (newest)
-  # release and, from this folder, the oldest (tests/unit/test_uvicorn_range.py).
-  lowest="$(sed -n 's/.*"uvicorn>=\([0-9.]*\),<.*/\1/p' pyproject.toml)"
-  rm -rf "$venv/uvicorn-lowest"
+  # The fast path and the connection guard are tested on the installed uvicorn and, from
+  # these folders, on the oldest pyproject.toml allows and the newest the index has
+  # (tests/unit/test_uvicorn_range.py).
+  lowest="$(sed -n 's/.*"uvicorn>=\([0-9.]*\)".*/\1/p' pyproject.toml)"
+  rm -rf "$venv/uvicorn-lowest" "$venv/uvicorn-newest"
   "${pip[@]}" install -q --no-deps --target "$venv/uvicorn-lowest" "uvicorn==$lowest"
+  "${pip[@]}" install -q --no-deps --upgrade --target "$venv/uvicorn-newest" uvicorn
 fi
 
 echo "$stamp" > "$stamp_file"
