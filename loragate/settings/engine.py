@@ -13,6 +13,7 @@ from loragate.settings.serve_option import serve_option
 
 BaseRouting = Literal["auto", "zero-adapter", "direct"]
 ExecutorBackend = Literal["mp", "ray", "uni", "external_launcher"]  # vLLM's, config/parallel.py
+EngineBootMode = Literal["multiprocess", "single-process"]
 
 
 class EngineFields(BaseModel):
@@ -62,6 +63,21 @@ class EngineFields(BaseModel):
         description=(
             "How vLLM runs its workers: 'mp' (processes on this machine) or 'ray' (a Ray "
             "cluster; needs ray in the engine's Python). Default: vLLM's choice."
+        ),
+        json_schema_extra=serve_option(),
+    )
+    engine_boot_mode: EngineBootMode = Field(
+        default="multiprocess",
+        description=(
+            "How many processes one engine boot starts. 'multiprocess': vLLM's own choice (on "
+            "the CPU build an API server, an engine core and a worker, each importing vLLM). "
+            "'single-process': the worker runs inside the engine core "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0 and --distributed-executor-backend uni), one "
+            "process fewer and a faster boot on the CPU build, but without vLLM's CPU thread "
+            "binding; the same as 'multiprocess' on a GPU. Either way the API server is the "
+            "engine the supervisor probes, restarts and stops. Ignored when the engine's "
+            "environment sets VLLM_ENABLE_V1_MULTIPROCESSING, when an executor backend is "
+            "given, and for a parallel layout (tensor, pipeline or data parallel over 1)."
         ),
         json_schema_extra=serve_option(),
     )

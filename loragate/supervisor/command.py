@@ -8,8 +8,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loragate.engine_flags import PARALLEL_OPTIONS, engine_arg_value
+from loragate.engine_flags import PARALLEL_OPTIONS, engine_arg_value, parallel_layout
 from loragate.logs import HIDDEN
+from loragate.settings.engine import EngineBootMode, EngineFields
 from loragate.settings.observability import ObservabilityFields
 
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
@@ -27,6 +28,11 @@ _ACCESS_LOG_FLAGS = (
     "--disable-access-log-for-endpoints",
 )
 _LOG_DEFAULTS = ObservabilityFields.model_fields
+# What the 'single-process' boot mode sets (vllm/envs.py, vllm/config/parallel.py): vLLM's CPU
+# platform swaps the uni executor for mp (a worker process of its own) unless multiprocessing
+# is off; with both, the engine core runs the worker in its own process.
+_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+_EXECUTOR_FLAG = "--distributed-executor-backend"
 
 
 @dataclass
@@ -47,6 +53,9 @@ class EngineSpec:
     pipeline_parallel_size: int | None = None
     data_parallel_size: int | None = None
     distributed_executor_backend: str | None = None
+    # 'single-process': vLLM's worker in its engine core, where nothing above says otherwise
+    # (``worker_in_engine_core``).
+    boot_mode: EngineBootMode = EngineFields.model_fields["engine_boot_mode"].default
     lora_modules: dict[str, Path] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     python: str = sys.executable
@@ -76,6 +85,8 @@ def engine_argv(spec: EngineSpec) -> list[str]:
     if spec.max_cpu_loras is not None:
         argv += ["--max-cpu-loras", str(max(spec.max_cpu_loras, spec.max_loras))]
     argv += _parallel_args(spec)
+    if worker_in_engine_core(spec):
+        argv += [_EXECUTOR_FLAG, "uni"]
     if spec.otlp_traces_endpoint and not any(
         _names_flag(arg, "--otlp-traces-endpoint") for arg in spec.extra_args
     ):
@@ -96,15 +107,33 @@ def _names_flag(arg: str, flag: str) -> bool:
     return name.startswith("--") and "--" + name[2:].replace("_", "-") == flag
 
 
-def _parallel_args(spec: EngineSpec) -> list[str]:
-    options = {
+def worker_in_engine_core(spec: EngineSpec) -> bool:
+    """Whether this boot runs in the 'single-process' mode: asked for, and neither the user's
+    environment nor their executor backend says otherwise, and one worker in all (a tensor,
+    pipeline or data parallel layout needs a process per worker)."""
+    if spec.boot_mode != "single-process":
+        return False
+    if _MULTIPROCESSING_ENV in spec.env or _MULTIPROCESSING_ENV in os.environ:
+        return False
+    try:
+        layout = parallel_layout(spec.extra_args, _parallel_options(spec))
+    except ValueError:  # the settings refuse such a layout; the engine gets it unchanged
+        return False
+    return layout.backend is None and not layout.spread
+
+
+def _parallel_options(spec: EngineSpec) -> dict[str, int | str | None]:
+    return {
         "--tensor-parallel-size": spec.tensor_parallel_size,
         "--pipeline-parallel-size": spec.pipeline_parallel_size,
         "--data-parallel-size": spec.data_parallel_size,
-        "--distributed-executor-backend": spec.distributed_executor_backend,
+        _EXECUTOR_FLAG: spec.distributed_executor_backend,
     }
+
+
+def _parallel_args(spec: EngineSpec) -> list[str]:
     args: list[str] = []
-    for flag, value in options.items():
+    for flag, value in _parallel_options(spec).items():
         if (
             value is not None
             and engine_arg_value(spec.extra_args, flag, PARALLEL_OPTIONS[flag]) is None
@@ -121,6 +150,8 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         and (not name.startswith(_PRIVATE_ENV_PREFIX) or name.startswith(_PASSED_ENV_PREFIX))
     }
     env.update(spec.env)
+    if worker_in_engine_core(spec):
+        env[_MULTIPROCESSING_ENV] = "0"
     # Without it vLLM has no /v1/load_lora_adapter route at all.
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"
     # The per-boot key goes in the environment (readable by this user only), not on the
