@@ -175,6 +175,10 @@ def create_app(
         from loragate.gateway.backends.upstream import UpstreamBackend
 
         backend = UpstreamBackend(settings)
+    elif settings.models:
+        from loragate.gateway.backends.catalog import CatalogBackend
+
+        backend = CatalogBackend(settings)
     else:
         from loragate.gateway.backends.supervised import SupervisedEngineBackend
         from loragate.plan.engine_plan import require_model

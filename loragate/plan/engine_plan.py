@@ -23,7 +23,16 @@ from loragate.demo.layout import (
     ensure_demo,
     ensure_smollm_demo,
 )
-from loragate.plan.cpu import SWITCH, dtype_bytes, plan_kv_cache, plugin_problem, user_sized
+from loragate.plan.cpu import (
+    RUNTIME_BYTES,
+    SWITCH,
+    dtype_bytes,
+    flag_value,
+    plan_kv_cache,
+    plugin_problem,
+    user_sized,
+    weights_bytes,
+)
 from loragate.plan.preflight import check_resolved_model, run_preflight
 from loragate.plan.preflight.host import check_port
 from loragate.plan.preflight.problem import PreflightError
@@ -44,6 +53,9 @@ class EnginePlan:
     cpu_build: bool = False
     memory_plan: str | None = None  # what loragate chose for the engine's memory, if it did
     cpu_lora_ops: bool = False  # whether the engine runs loragate.engine_plugin's LoRA ops
+    # About what the running engine holds (weights, KV cache, runtime), where loragate can tell:
+    # what a catalog counts against its memory budget. None: unknown (counted as nothing).
+    memory_bytes: int | None = None
 
 
 class NoModelError(ValueError):
@@ -54,7 +66,7 @@ class NoModelError(ValueError):
 
 def names_a_model(settings: Settings) -> bool:
     """Whether ``settings`` say what to serve, the demo aside."""
-    return any(
+    return bool(settings.models) or any(
         value is not None for value in (settings.model, settings.upstream_url, settings.run_id)
     )
 
@@ -64,8 +76,9 @@ def require_model(settings: Settings) -> None:
     check for an embedded gateway; ``gateway serve`` says it in its own words)."""
     if not names_a_model(settings) and settings.demo is None:
         raise NoModelError(
-            "no model to serve: give model= (a directory, ORG/NAME or FILE.gguf), upstream_url= "
-            "or a backend, or demo='smollm2' (or 'tiny') for the bundled demo"
+            "no model to serve: give model= (a directory, ORG/NAME or FILE.gguf), models= (a "
+            "catalog), upstream_url= or a backend, or demo='smollm2' (or 'tiny') for the "
+            "bundled demo"
         )
 
 
@@ -96,6 +109,7 @@ def check_before_start(settings: Settings) -> None:
             port=settings.port,
             cache_dir=settings.cache_dir.expanduser(),
             parallel=settings.parallel,
+            engine_args=settings.engine_args,
         )
     if problems:
         raise PreflightError(problems)
@@ -117,7 +131,12 @@ async def plan_engine(settings: Settings, cache_dir: Path) -> EnginePlan:
         memory = plan_kv_cache(plan.model_dir, plan.base_config, settings.engine_args)
         plan.extra_args += memory.engine_args()
         plan.memory_plan = memory.describe()
+        plan.memory_bytes = memory.weights_bytes + memory.kv_bytes + RUNTIME_BYTES
         log.info("engine memory: %s", plan.memory_plan)
+    elif plan.cpu_build:
+        given = flag_value(list(settings.engine_args), "--kv-cache-memory-bytes")
+        if given is not None and given.isdigit():
+            plan.memory_bytes = weights_bytes(plan.model_dir) + int(given) + RUNTIME_BYTES
     if plan.cpu_build:
         await asyncio.to_thread(_choose_cpu_lora_ops, settings, plan)
     layout = settings.parallel
@@ -130,6 +149,7 @@ async def plan_engine(settings: Settings, cache_dir: Path) -> EnginePlan:
             model_dir=plan.model_dir,
             dtype_bytes=dtype_bytes(plan.base_config, settings.engine_args),
             cpu_build=plan.cpu_build,
+            engine_args=settings.engine_args,
         )
     return plan
 
@@ -172,9 +192,14 @@ async def _choose_model(settings: Settings, cache_dir: Path) -> tuple[EnginePlan
             ]
     else:
         from loragate.base_model.resolve import resolve_base_model
+        from loragate.engine_flags import engine_arg_value
 
         model_dir = await asyncio.to_thread(
-            resolve_base_model, settings.model, cache_dir, python=settings.engine_python
+            resolve_base_model,
+            settings.model,
+            cache_dir,
+            python=settings.engine_python,
+            dtype=engine_arg_value(settings.engine_args, "--dtype"),  # a GGUF's, converted
         )
     from loragate.base_model.resolve import read_base_config
 

@@ -5,7 +5,7 @@ variables, the config file (TOML or YAML; ``--config`` or ``LORAGATE_CONFIG``), 
 ``VLLM_API_KEY`` is the inference key when no other key setting is given, as in vLLM. A wrong
 value fails in one line naming its source (``sources``).
 
-Each setting is declared once, in the field group of its concern (``serving``, ``engine``,
+Each setting is declared once, in the field group of its concern (``serving``, ``catalog``, ``engine``,
 ``access``, ``supervision``, ``request_limits``, ``adapter_store``, ``observability``);
 ``Settings`` assembles them and holds what spans groups: the one-string-or-many lists, the
 checks between settings, and where values come from.
@@ -29,6 +29,7 @@ from pydantic_settings import (
 from loragate.engine_flags import parallel_layout
 from loragate.settings.access import AccessFields
 from loragate.settings.adapter_store import AdapterStoreFields
+from loragate.settings.catalog import CatalogFields
 from loragate.settings.engine import EngineFields
 from loragate.settings.observability import ObservabilityFields
 from loragate.settings.request_limits import RequestLimitFields
@@ -66,6 +67,7 @@ class Settings(
     SupervisionFields,
     AccessFields,
     EngineFields,
+    CatalogFields,
     ServingFields,
     BaseSettings,
 ):
@@ -111,6 +113,22 @@ class Settings(
             raise ValueError(
                 "adapters_manifest needs the engine loragate runs; with upstream_url the "
                 "adapters are the upstream server's"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _a_catalog_or_one_model(self) -> Settings:
+        if not self.models:
+            return self
+        single = [
+            name
+            for name in ("model", "upstream_url", "run_id", "adapters_manifest")
+            if getattr(self, name) is not None
+        ] + (["lora"] if self.lora else [])
+        if single:
+            raise ValueError(
+                "models (a catalog) and " + ", ".join(single) + " both say what to serve: give "
+                "each base model its entry under models (with its own lora), or drop models"
             )
         return self
 

@@ -211,19 +211,19 @@ class EngineSupervisor:
     def last_exit(self) -> ExitInfo | None:
         return self._process.last_exit
 
-    async def start(self) -> None:
+    async def start(self, reason: str = "gateway started") -> None:
         """End a stale engine left by a previous gateway, then boot in the background."""
         await asyncio.to_thread(self._process.end_stale_engine)
         # Starting now, not when the task first runs: a request that arrives at once waits.
-        self._transition(EngineState.STARTING, "gateway started")
+        self._transition(EngineState.STARTING, reason)
         self._life_task = asyncio.create_task(self._life(), name="engine-supervisor")
 
-    async def stop(self) -> None:
+    async def stop(self, reason: str = "gateway is shutting down") -> None:
         """Stop the engine and every process it started: SIGTERM, then SIGKILL after a timeout."""
         if self.state == EngineState.STOPPED:
             return
         if self.state != EngineState.STOPPING:
-            self._transition(EngineState.STOPPING, "gateway is shutting down")
+            self._transition(EngineState.STOPPING, reason)
         if self._life_task is not None:
             self._life_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -140,3 +140,14 @@ def test_the_graph_is_read_at_all() -> None:
     assert len(MODULES) > 80
     assert "loragate.adapters.manager" in GRAPH["loragate.gateway.backends.supervised"]
     assert "loragate.supervisor.engine" in GRAPH["loragate.adapters.manager"]
+
+
+def test_routes_reach_the_engine_and_adapters_only_through_a_backend() -> None:
+    """Routes see a backend's interfaces (``gateway.backends.base``), never its parts: nothing of
+    the adapter layer, the supervisor, the plan or the base model; and only the app (and the
+    hot path, which calls the inference endpoints) imports a route."""
+    below = {"loragate.adapters", "loragate.supervisor", "loragate.plan", "loragate.base_model"}
+    routes = {m for m in MODULES if m.startswith("loragate.gateway.routes")}
+    assert {(m, t) for m in routes for t in GRAPH[m] if part(t) in below} == set()
+    route_users = {m for m, targets in GRAPH.items() if targets & routes} - routes
+    assert route_users <= {"loragate.gateway.app", "loragate.gateway.hot_protocol"}, route_users

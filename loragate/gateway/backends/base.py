@@ -135,6 +135,31 @@ class AdminBackend(Protocol):
         ...
 
 
+@runtime_checkable
+class CatalogAdmin(Protocol):
+    """What ``/admin/models`` asks of a backend serving a catalog of base models."""
+
+    def catalog_report(self) -> dict[str, Any]:
+        """Every model with its residency, state, memory, last use and adapters; the swaps."""
+        ...
+
+    async def load_by_hand(self, model_id: str) -> dict[str, Any]: ...
+
+    async def unload_by_hand(self, model_id: str) -> dict[str, Any]: ...
+
+
+def catalog_of(backend: GatewayBackend) -> CatalogAdmin:
+    """``backend``'s catalog, or the 404 a gateway serving one base model answers."""
+    if not isinstance(backend, CatalogAdmin):
+        raise OpenAIError(
+            404,
+            "This gateway serves one base model: models load and unload only in a catalog "
+            "(the config file's models:).",
+            code="not_supported",
+        )
+    return backend
+
+
 def admin_of(backend: GatewayBackend) -> AdminBackend:
     """``backend``'s admin interface, or the 404 every admin route gives a backend that has
     none (an upstream URL, a custom backend: no engine or adapters of the gateway's own)."""

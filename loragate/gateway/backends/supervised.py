@@ -83,7 +83,7 @@ class SupervisedEngineBackend:
     # With --adapters-manifest: what converges this gateway's adapters on the fleet's.
     fleet: FleetReconciler | None = None
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, notify_systemd: bool = True) -> None:
         self.settings = settings
         self.cache_dir = settings.cache_dir.expanduser().resolve()
         self.base_name = settings.served_model_name
@@ -107,7 +107,14 @@ class SupervisedEngineBackend:
         self._bootstrap_task: asyncio.Task[None] | None = None
         self._extra_engine_args: list[str] = []
         self._engine_env: dict[str, str] = {}
-        self._notifier = SystemdNotifier()
+        # A catalog's engines leave systemd to the catalog (one service, one READY=1).
+        self._notifier = SystemdNotifier() if notify_systemd else SystemdNotifier({})
+        # Requests sent to the engine and not yet answered, and when the last one ended: what a
+        # catalog reads to unload only an idle engine, the least recently used first.
+        self.in_flight = 0
+        self.last_used = time.monotonic()
+        # What the plan says the running engine holds, for a catalog's memory budget.
+        self.memory_bytes: int | None = None
         self._watchdog: asyncio.Task[None] | None = None
         # How far the start has come (download, dequantization, boot): /health, STATUS=.
         self.start_progress = WaitProgress(
@@ -118,9 +125,12 @@ class SupervisedEngineBackend:
 
     # ----- life cycle ---------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, boot: bool = True) -> None:
+        """Prepare the model and adapters in the background, then boot the engine; with
+        ``boot`` False, only prepare: ``load`` boots it later (a catalog's cold model)."""
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
+        self._boot_when_prepared = boot
         self._bootstrap_task = asyncio.create_task(self._bootstrap(), name="engine-bootstrap")
         self._start_notes = asyncio.create_task(
             extend_start_while(self._notifier, self.describe_start), name="start-notes"
@@ -166,6 +176,10 @@ class SupervisedEngineBackend:
             record.message = self.supervisor.boot_progress or "engine starting"
         return record.describe()
 
+    def start_report(self) -> dict[str, Any] | None:
+        """The start's progress record for ``/health`` while it lasts, else None."""
+        return None if self.describe_start() is None else self.start_progress.as_dict()
+
     async def _bootstrap(self) -> None:
         # The model's download and dequantization report into this record (context variable).
         current_progress.set(self.start_progress)
@@ -185,11 +199,35 @@ class SupervisedEngineBackend:
             self.start_progress.enter("failed")
             self._prepared.set()
             return
-        self.start_progress.enter("boot")
         self._prepared.set()
         assert self.manager is not None
         self.supervisor.add_ready_hook(self.manager.on_engine_ready)
-        await self.supervisor.start()
+        if self._boot_when_prepared:
+            self.start_progress.enter("boot")
+            await self.supervisor.start()
+
+    @property
+    def prepared(self) -> bool:
+        """Whether the model and adapters are set up (successfully or not)."""
+        return self._prepared.is_set()
+
+    @property
+    def prepare_error(self) -> str | None:
+        return self._prepare_error
+
+    async def wait_until_prepared(self) -> None:
+        await self._prepared.wait()
+
+    async def load(self, reason: str) -> None:
+        """Boot the engine of a started backend whose engine is stopped (a cold model)."""
+        await self._prepared.wait()
+        if self._prepare_error is None and self.supervisor.state == EngineState.STOPPED:
+            self.start_progress.enter("boot")
+            await self.supervisor.start(reason)
+
+    async def unload(self, reason: str) -> None:
+        """Stop the engine, keeping the model, adapters and store: ``load`` boots it again."""
+        await self.supervisor.stop(reason)
 
     async def _prepare(self) -> None:
         settings = self.settings
@@ -198,6 +236,7 @@ class SupervisedEngineBackend:
         base_config = plan.base_config
         self._extra_engine_args, self._engine_env = plan.extra_args, plan.env
         self.memory_plan, self.cpu_lora_ops = plan.memory_plan, plan.cpu_lora_ops
+        self.memory_bytes = plan.memory_bytes
         boot_loras = plan.boot_loras
         self.zero_adapter = settings.base_routing == "zero-adapter" or (
             settings.base_routing == "auto" and plan.cpu_build and not self.cpu_lora_ops
@@ -268,6 +307,14 @@ class SupervisedEngineBackend:
         if self.manager is None:
             return [self.base_name]
         return self.manager.public_models()
+
+    def servable_models(self) -> list[str]:
+        """The base, then every adapter it will serve once its engine boots: those routed now
+        and those its manifest declares (a catalog lists these while the engine is cold)."""
+        if self.manager is None:
+            return [self.base_name]
+        declared = self.manager.manifest_names() | set(self.manager.public_models())
+        return [self.base_name, *sorted(declared - {self.base_name})]
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         state = self.supervisor.state
@@ -360,6 +407,7 @@ class SupervisedEngineBackend:
             }
             if call.content_type is not None:
                 headers["Content-Type"] = call.content_type
+            self.in_flight += 1
             try:
                 return await self.proxy.forward(
                     endpoint.base_url + call.path,
@@ -368,7 +416,7 @@ class SupervisedEngineBackend:
                     uds=endpoint.uds,
                     stream=call.stream,
                     rename=rename,
-                    on_done=on_done,
+                    on_done=functools.partial(self._answered, on_done),
                     response_headers={"X-Request-ID": call.request_id},
                     method=call.method,
                 )
@@ -404,6 +452,12 @@ class SupervisedEngineBackend:
         if self.manager is None:
             return data
         return AnyVersionRename(self.manager.base_engine_id, self.base_name).everywhere(data)
+
+    def _answered(self, on_done: Callable[[], None]) -> None:
+        """The proxy's ``on_done``: once per request sent, when its answer ended either way."""
+        self.in_flight -= 1
+        self.last_used = time.monotonic()
+        on_done()
 
     def _request_done(self, manager: AdapterManager, engine_id: str) -> None:
         manager.release(engine_id)

@@ -1,4 +1,5 @@
-"""Admin routes: adapters (add, swap, remove, roll back) and the engine (state, restart).
+"""Admin routes: adapters (add, swap, remove, roll back), the engine (state, restart) and a
+catalog's base models (list, load, unload).
 
 Thin handlers over the backend's admin interface (``backends.base.AdminBackend``): it owns the
 checks and the changes, and its refusals are the answers; a change is admitted before its
@@ -13,7 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from loragate.gateway.backends.base import AdminBackend, admin_of
+from loragate.gateway.backends.base import AdminBackend, admin_of, catalog_of
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.openapi_schemas import LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAPTER, json_body
 from loragate.gateway.requests.body import read_json_object
@@ -131,3 +132,22 @@ async def engine_info(request: Request) -> dict[str, Any]:
 async def engine_restart(request: Request) -> JSONResponse:
     engine = await _admin(request).restart_engine()
     return JSONResponse({"restarting": True, "state": str(engine.state)}, status_code=202)
+
+
+@router.get("/admin/models")
+async def list_base_models(request: Request) -> dict[str, Any]:
+    """A catalog's base models: residency, engine state, memory, last use, adapters; swaps."""
+    gateway: Gateway = request.app.state.gateway
+    return {"object": "list", **catalog_of(gateway.backend).catalog_report()}
+
+
+@router.post("/admin/models/{model_id}/load")
+async def load_base_model(model_id: str, request: Request) -> dict[str, Any]:
+    gateway: Gateway = request.app.state.gateway
+    return await catalog_of(gateway.backend).load_by_hand(model_id)
+
+
+@router.post("/admin/models/{model_id}/unload")
+async def unload_base_model(model_id: str, request: Request) -> dict[str, Any]:
+    gateway: Gateway = request.app.state.gateway
+    return await catalog_of(gateway.backend).unload_by_hand(model_id)

@@ -9,7 +9,6 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from loragate.adapters.progress import WaitProgress
 from loragate.gateway.backends.base import engine_snapshot_of
 from loragate.gateway.runtime import Gateway
 from loragate.logs import loggable_in
@@ -49,10 +48,8 @@ def _start_progress(gateway: Gateway) -> dict[str, Any] | None:
     """The start's progress record (stage, bytes, percent, rate, description) while the
     gateway downloads its base model, dequantizes a GGUF or boots the engine; only a
     backend that starts its own engine has one."""
-    record = getattr(gateway.backend, "start_progress", None)
-    if not isinstance(record, WaitProgress) or gateway.backend.describe_start() is None:  # type: ignore[attr-defined]
-        return None
-    return record.as_dict()
+    report = getattr(gateway.backend, "start_report", None)
+    return report() if callable(report) else None
 
 
 @router.get("/health/live")

@@ -74,17 +74,28 @@ def target_model(gateway: Gateway, payload: dict[str, Any]) -> str:
         return valid[0]
     if not isinstance(model, str):
         raise OpenAIError(400, "'model' must be a string", param="model", code="invalid_type")
-    if model not in valid:
+    if model not in valid and not _resolvable(gateway, model):
         raise model_not_found(model, valid)
     return model
+
+
+def _resolvable(gateway: Gateway, model: str) -> bool:
+    """Whether the backend can find an unregistered ``model`` in a place the operator
+    configured (a catalog model's ``adapter_dir``)."""
+    resolves = getattr(gateway.backend, "resolves", None)
+    return bool(resolves(model)) if callable(resolves) else False
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     _check_source(gateway, request)
-    ids = gateway.backend.model_ids()
-    data = [model_entry(gateway, model, ids) for model in ids]
+    catalog = getattr(gateway.backend, "model_entries", None)
+    if callable(catalog):  # several bases: each adapter's parent, each base's residency
+        data = [{**model_entry(gateway, e["id"], [e["parent"] or e["id"]]), **e} for e in catalog()]
+    else:
+        ids = gateway.backend.model_ids()
+        data = [model_entry(gateway, model, ids) for model in ids]
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -48,13 +48,15 @@ def run_preflight(
     gpu_inventory: GpuInventory | None = None,
     numa_nodes: Callable[[], int] | None = None,
     env: Mapping[str, str] | None = None,
+    engine_args: Sequence[str] = (),
 ) -> list[PreflightProblem]:
     """Every problem found, in the order worth fixing them; empty when the boot can go ahead.
 
     ``model_dir`` None (a model not downloaded yet) skips the memory check; ``port`` 0 skips
     the port check. ``parallel`` is how the engine spreads the model; ``gpu_inventory``
     (default: ``nvidia-smi``), ``numa_nodes`` and ``env`` (default: this process's) are what
-    the checks read of the machine, injectable for tests.
+    the checks read of the machine, injectable for tests. ``engine_args`` are the user's
+    engine flags: the memory plan reads ``--dtype``, ``--quantization`` and the memory flags.
     """
     if dtype_bytes <= 0:
         raise ValueError(f"dtype_bytes must be positive, not {dtype_bytes}")
@@ -75,6 +77,7 @@ def run_preflight(
         dtype_bytes=dtype_bytes,
         numa_nodes=numa_nodes,
         env=env,
+        engine_args=engine_args,
     )
     problems.append(check_port(host, port))
     problems.append(check_cache_dir(cache_dir))
@@ -92,6 +95,7 @@ def check_resolved_model(
     dtype_bytes: int,
     cpu_build: bool,
     gpu_inventory: GpuInventory | None = None,
+    engine_args: Sequence[str] = (),
 ) -> None:
     """Raise PreflightError when the model, once resolved, cannot run in ``layout`` here: the
     part of ``run_preflight`` that needs the model, for one that was not on disk when the
@@ -105,6 +109,7 @@ def check_resolved_model(
         engine_python=engine_python,
         model_dir=model_dir if runs_on == "gpu" else None,
         dtype_bytes=dtype_bytes,
+        engine_args=engine_args,
     )
     found = [problem for problem in problems if problem is not None]
     if found:
@@ -121,6 +126,7 @@ def _model_checks(
     dtype_bytes: int,
     numa_nodes: Callable[[], int] | None = None,
     env: Mapping[str, str] | None = None,
+    engine_args: Sequence[str] = (),
 ) -> list[PreflightProblem | None]:
     """The checks that depend on the model and how it is spread: the layout, then memory."""
     problems: list[PreflightProblem | None] = list(
@@ -134,8 +140,12 @@ def _model_checks(
         )
     )
     if model_dir is not None and runs_on == "gpu":
-        problems.append(check_gpu_memory(model_dir, dtype_bytes, gpus, layout))
+        problems.append(
+            check_gpu_memory(model_dir, dtype_bytes, gpus, layout, engine_args=engine_args)
+        )
     elif model_dir is not None and runs_on == "cpu":
         available = psutil.virtual_memory().available
-        problems.append(check_memory(model_dir, dtype_bytes, available, "cpu"))
+        problems.append(
+            check_memory(model_dir, dtype_bytes, available, "cpu", engine_args=engine_args)
+        )
     return problems

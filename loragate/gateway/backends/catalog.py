@@ -1,0 +1,462 @@
+"""A catalog of base models behind one gateway: each its own supervised engine and adapters,
+booted when a request first needs it, within ``max_loaded_models`` and ``memory_budget``.
+
+Every model of ``Settings.models`` is a ``SupervisedEngineBackend`` of its own (its cache and
+state under ``CACHE_DIR/models/ID``: store, manifest, engine socket and log), prepared at start
+(model resolved, adapters declared) and booted on demand, or at start with ``preload``. A
+request for a cold model makes room first: the least recently used resident engines that
+are idle are unloaded (never one with requests in flight or waiting: those drain first,
+within the queue deadline; never one marked ``keep``), then the model boots while its requests wait in
+its engine's queue as during a restart (bounded, with the queue deadline and ``Retry-After``).
+An engine idle for its ``ttl`` is unloaded. An adapter name no model has registered is looked
+for in the models' ``adapter_dir`` and, when one holds it, added to that model through the same
+pipeline and store as the admin API; nothing else is fetched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from starlette.responses import Response
+
+from loragate.gateway.backends.base import EngineCall
+from loragate.gateway.backends.supervised import SupervisedEngineBackend
+from loragate.gateway.errors import OpenAIError, model_not_found
+from loragate.settings import Settings
+from loragate.settings.catalog import CatalogModel
+from loragate.supervisor.states import EngineSnapshot, EngineState
+
+log = logging.getLogger("loragate.gateway")
+
+RESIDENT, LOADING, COLD, FAILED = "resident", "loading", "cold", "failed"
+_TTL_CHECK_SECONDS = 5.0
+# States of an engine that is up or coming up: a request for it goes straight to it.
+_RUNNING = frozenset(
+    {EngineState.STARTING, EngineState.RESTARTING, EngineState.READY, EngineState.UNHEALTHY}
+)
+
+
+def model_settings(settings: Settings, model_id: str, entry: CatalogModel) -> Settings:
+    """The settings one catalog model runs with: the gateway's, with the entry's model,
+    adapters and engine flags, under a cache and state directory of its own."""
+    cache_dir = settings.cache_dir.expanduser().resolve() / "models" / model_id
+    state_dir = (settings.state_dir or settings.cache_dir).expanduser().resolve()
+    return settings.model_copy(
+        update={
+            "models": {},
+            "model": entry.model,
+            "model_name": model_id,
+            "lora": list(entry.lora),
+            "engine_args": [*settings.engine_args, *entry.engine_args],
+            "cache_dir": cache_dir,
+            "state_dir": state_dir / "models" / model_id,
+        }
+    )
+
+
+@dataclass
+class CatalogEntry:
+    id: str
+    spec: CatalogModel
+    backend: SupervisedEngineBackend
+    loads: int = 0
+    unloads: int = 0
+    # Requests past the room check and not yet handed to the engine (waiting for its boot):
+    # an engine is idle, and may be unloaded, only with none of these and none in flight.
+    wanted: int = 0
+    last_unload_reason: str | None = None
+
+    @property
+    def state(self) -> EngineState:
+        return self.backend.supervisor.state
+
+    @property
+    def residency(self) -> str:
+        if self.backend.prepare_error is not None or self.state == EngineState.FAILED:
+            return FAILED
+        if self.state in (EngineState.READY, EngineState.UNHEALTHY):
+            return RESIDENT
+        if self.state == EngineState.STOPPED and self.backend.prepared:
+            return COLD
+        return LOADING
+
+    @property
+    def idle(self) -> bool:
+        return self.wanted == 0 and self.backend.in_flight == 0
+
+    @property
+    def holds_memory(self) -> bool:
+        """Whether its engine runs (or is about to): it counts against the budget."""
+        return self.state not in (EngineState.STOPPED, EngineState.FAILED)
+
+
+class CatalogBackend:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.entries = {
+            model_id: CatalogEntry(
+                model_id,
+                entry,
+                SupervisedEngineBackend(
+                    model_settings(settings, model_id, entry), notify_systemd=False
+                ),
+            )
+            for model_id, entry in settings.models.items()
+        }
+        self.memory_budget: int | None = (
+            int(settings.memory_budget) if settings.memory_budget is not None else None
+        )
+        self.swaps = 0
+        self.last_swap: dict[str, Any] | None = None
+        self._room = asyncio.Lock()  # one residency change at a time
+        self._resolving: dict[str, asyncio.Task[None]] = {}
+        self._ttl_task: asyncio.Task[None] | None = None
+        self._preloads: set[asyncio.Task[None]] = set()
+
+    # ----- life cycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for entry in self.entries.values():
+            await entry.backend.start(boot=False)
+        if self.memory_budget is None:
+            self.memory_budget = await asyncio.to_thread(_measured_budget)
+        for entry in self.entries.values():
+            if entry.spec.preload:
+                task = asyncio.create_task(self._preload(entry), name=f"preload-{entry.id}")
+                self._preloads.add(task)
+                task.add_done_callback(self._preloads.discard)
+        self._ttl_task = asyncio.create_task(self._unload_idle(), name="catalog-ttl")
+
+    async def stop(self) -> None:
+        if self._ttl_task is not None:
+            self._ttl_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ttl_task
+        for task in [*self._resolving.values(), *self._preloads]:
+            task.cancel()
+        await asyncio.gather(*(entry.backend.stop() for entry in self.entries.values()))
+
+    async def _preload(self, entry: CatalogEntry) -> None:
+        try:
+            await self.make_resident(entry, "preload")
+        except OpenAIError as exc:
+            log.warning("model %s: not preloaded: %s", entry.id, exc.message)
+
+    # ----- which model serves a name ------------------------------------------------------
+
+    def model_ids(self) -> list[str]:
+        return [name for entry in self.entries.values() for name in entry.backend.servable_models()]
+
+    def model_entries(self) -> list[dict[str, Any]]:
+        """``/v1/models``'s entries: every base and adapter, adapters with their ``parent``,
+        each with its base's ``residency``."""
+        found = []
+        for entry in self.entries.values():
+            for name in entry.backend.servable_models():
+                parent = None if name == entry.id else entry.id
+                found.append({"id": name, "parent": parent, "residency": entry.residency})
+        return found
+
+    def owner(self, name: str) -> CatalogEntry | None:
+        for entry in self.entries.values():
+            if name in entry.backend.servable_models():
+                return entry
+        return None
+
+    def resolves(self, name: str) -> bool:
+        """Whether an unregistered ``name`` is an adapter folder of a model's ``adapter_dir``."""
+        return self._resolver_of(name) is not None
+
+    def _resolver_of(self, name: str) -> tuple[CatalogEntry, Path] | None:
+        if not name or name.startswith(".") or "/" in name or "@" in name:
+            return None
+        for entry in self.entries.values():
+            folder = entry.spec.adapter_dir
+            if folder is not None and (folder.expanduser() / name).is_dir():
+                return entry, folder.expanduser() / name
+        return None
+
+    async def _owner_for(self, name: str) -> CatalogEntry:
+        entry = self.owner(name)
+        if entry is not None:
+            return entry
+        found = self._resolver_of(name)
+        if found is None:
+            raise model_not_found(name, self.model_ids())
+        entry, folder = found
+        task = self._resolving.get(name)
+        if task is None:  # one add per name; concurrent requests for it wait on the same one
+            task = asyncio.create_task(self._add_found(entry, name, folder), name=f"resolve-{name}")
+            self._resolving[name] = task
+            task.add_done_callback(lambda _: self._resolving.pop(name, None))
+        await asyncio.shield(task)
+        return entry
+
+    async def _add_found(self, entry: CatalogEntry, name: str, folder: Path) -> None:
+        await self.make_resident(entry, f"adapter {name} requested")
+        await entry.backend.wait_until_prepared()
+        log.info("model %s: adapter %s found in %s, adding it", entry.id, name, folder)
+        await entry.backend.put_adapter(name, str(folder))
+
+    # ----- residency ----------------------------------------------------------------------
+
+    async def make_resident(self, entry: CatalogEntry, reason: str) -> None:
+        """Boot ``entry``'s engine if it is cold, unloading idle ones first to make room."""
+        if entry.state in _RUNNING or entry.residency == FAILED:
+            return
+        async with self._room:  # an unload in progress (STOPPING) ends first
+            if entry.state in _RUNNING or entry.residency == FAILED:
+                return
+            evicted = await self._make_room_for(entry)
+            entry.loads += 1
+            if evicted:
+                self.swaps += 1
+                self.last_swap = {
+                    "loaded": entry.id,
+                    "unloaded": evicted,
+                    "at": time.time(),
+                    "reason": reason,
+                }
+            log.info("model %s: loading (%s)", entry.id, reason)
+            await entry.backend.load(f"loaded on demand: {reason}")
+
+    def _fits(self, entry: CatalogEntry, resident: list[CatalogEntry]) -> bool:
+        cap = self.settings.max_loaded_models
+        if cap is not None and len(resident) + 1 > cap:
+            return False
+        if self.memory_budget is None:
+            return True
+        held = sum(other.backend.memory_bytes or 0 for other in resident)
+        return held + (entry.backend.memory_bytes or 0) <= self.memory_budget
+
+    async def _make_room_for(self, entry: CatalogEntry) -> list[str]:
+        """Unload the least recently used idle engines until ``entry`` fits; wait (within the
+        queue deadline) while the others are loading or answering; a 503 when only kept
+        engines stand in the way, or the wait runs out."""
+        deadline = time.monotonic() + self.settings.queue_deadline
+        evicted: list[str] = []
+        while True:
+            resident = [e for e in self.entries.values() if e is not entry and e.holds_memory]
+            if self._fits(entry, resident):
+                return evicted
+            candidates = sorted(
+                (e for e in resident if not e.spec.keep), key=lambda e: e.backend.last_used
+            )
+            idle = [e for e in candidates if e.residency == RESIDENT and e.idle]
+            if idle:
+                victim = idle[0]
+                await self.unload(victim, f"making room for {entry.id}")
+                evicted.append(victim.id)
+                continue
+            if not candidates or time.monotonic() >= deadline:
+                busy = ", ".join(f"{e.id} ({e.residency})" for e in resident) or "none"
+                raise OpenAIError(
+                    503,
+                    f"no room to load model {entry.id!r}: the resident models ({busy}) are kept, "
+                    "loading, or still answering requests; retry shortly",
+                    code="model_capacity",
+                    headers={"Retry-After": "10"},
+                )
+            await asyncio.sleep(0.05)  # the least recently used drains, or finishes loading
+
+    async def unload(self, entry: CatalogEntry, reason: str) -> None:
+        log.info("model %s: unloading (%s)", entry.id, reason)
+        entry.unloads += 1
+        entry.last_unload_reason = reason
+        await entry.backend.unload(f"unloaded: {reason}")
+
+    async def load_by_hand(self, model_id: str) -> dict[str, Any]:
+        entry = self._entry(model_id)
+        await self.make_resident(entry, "loaded by an admin")
+        return self.model_report(entry)
+
+    async def unload_by_hand(self, model_id: str) -> dict[str, Any]:
+        entry = self._entry(model_id)
+        async with self._room:
+            if entry.holds_memory:
+                await self.unload(entry, "unloaded by an admin")
+        return self.model_report(entry)
+
+    def _entry(self, model_id: str) -> CatalogEntry:
+        entry = self.entries.get(model_id)
+        if entry is None:
+            raise model_not_found(model_id, list(self.entries))
+        return entry
+
+    async def _unload_idle(self) -> None:
+        while True:
+            await asyncio.sleep(_TTL_CHECK_SECONDS)
+            now = time.monotonic()
+            for entry in self.entries.values():
+                ttl = entry.spec.ttl
+                idle = entry.idle and entry.residency == RESIDENT
+                if ttl is not None and idle and now - entry.backend.last_used >= ttl:
+                    async with self._room:
+                        if entry.idle and entry.residency == RESIDENT:
+                            await self.unload(entry, f"idle for {ttl:g} s (ttl)")
+
+    # ----- serving ------------------------------------------------------------------------
+
+    async def forward(
+        self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
+    ) -> Response:
+        entry = await self._owner_for(public_model)
+        await self.make_resident(entry, f"a request for {public_model}")
+        entry.wanted += 1  # at once: nothing may unload it between the two
+        try:
+            entry.backend.last_used = time.monotonic()
+            return await entry.backend.forward(path, payload, public_model, stream, request_id)
+        finally:
+            entry.wanted -= 1
+
+    async def relay(self, call: EngineCall) -> Response:
+        if call.public_model is None:
+            entry = self._default_entry()
+        else:
+            entry = await self._owner_for(call.public_model)
+        await self.make_resident(entry, f"a request for {call.public_model or entry.id}")
+        entry.wanted += 1  # at once: nothing may unload it between the two
+        try:
+            entry.backend.last_used = time.monotonic()
+            return await entry.backend.relay(call)
+        finally:
+            entry.wanted -= 1
+
+    def _default_entry(self) -> CatalogEntry:
+        """For a request that names no model: the most recently used resident, else the first."""
+        resident = [e for e in self.entries.values() if e.residency == RESIDENT]
+        if resident:
+            return max(resident, key=lambda e: e.backend.last_used)
+        return next(iter(self.entries.values()))
+
+    # ----- what health, status and admin read ----------------------------------------------
+
+    def model_report(self, entry: CatalogEntry) -> dict[str, Any]:
+        backend = entry.backend
+        _, health = backend.health()
+        return {
+            "id": entry.id,
+            "model": entry.spec.model,
+            "residency": entry.residency,
+            "state": str(entry.state),
+            "reason": health.get("reason") or backend.supervisor.reason,
+            "adapters": [name for name in backend.servable_models() if name != entry.id],
+            "memory_bytes": backend.memory_bytes,
+            "in_flight": backend.in_flight,
+            "idle_seconds": round(time.monotonic() - backend.last_used, 1),
+            "loads": entry.loads,
+            "unloads": entry.unloads,
+            "last_unload_reason": entry.last_unload_reason,
+            "keep": entry.spec.keep,
+            "ttl": entry.spec.ttl,
+        }
+
+    def catalog_report(self) -> dict[str, Any]:
+        return {
+            "models": [self.model_report(entry) for entry in self.entries.values()],
+            "max_loaded_models": self.settings.max_loaded_models,
+            "memory_budget": self.memory_budget,
+            "swaps": self.swaps,
+            "last_swap": self.last_swap,
+        }
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Ready while every model is either servable (cold, loading or serving) or failed
+        alone: a model whose engine cannot boot is reported with its reason, and the others
+        keep serving (``status`` ``degraded``)."""
+        reports = {entry.id: self.model_report(entry) for entry in self.entries.values()}
+        failed = {k: r["reason"] for k, r in reports.items() if r["residency"] == FAILED}
+        starting = not all(entry.backend.prepared for entry in self.entries.values())
+        body: dict[str, Any] = {
+            "status": "starting" if starting else ("degraded" if failed else "ok"),
+            "models": self.model_ids(),
+            "catalog": {
+                model_id: {key: report[key] for key in ("residency", "state", "reason")}
+                for model_id, report in reports.items()
+            },
+        }
+        if failed:
+            body["reason"] = "; ".join(f"{k}: {why}" for k, why in failed.items())
+        ready = not starting and len(failed) < len(self.entries)
+        return ready, body
+
+    # ----- the adapter admin API, model by model (``AdminBackend``) -------------------------
+
+    def adapters_report(self) -> dict[str, Any]:
+        """Every model's adapters, each entry with its ``base_model``."""
+        data: list[dict[str, Any]] = []
+        progress: list[dict[str, Any]] = []
+        for entry in self.entries.values():
+            if not entry.backend.prepared or entry.backend.prepare_error is not None:
+                continue
+            report = entry.backend.adapters_report()
+            data += [{**adapter, "base_model": entry.id} for adapter in report["data"]]
+            progress += report["progress"]
+        return {"base_models": list(self.entries), "data": data, "progress": progress,
+                "adapters_manifest": None}  # fmt: skip
+
+    def adapter_report(self, name: str) -> dict[str, Any]:
+        return {**self._adapter_owner(name).backend.adapter_report(name)}
+
+    def admit_adapter_change(self) -> None:
+        for entry in self.entries.values():
+            entry.backend.admit_adapter_change()
+
+    async def put_adapter(
+        self, name: str, source: str, revision: str | None = None, follow: bool = False
+    ) -> dict[str, Any]:
+        entry = self._adapter_owner(name, adding=True)
+        await self.make_resident(entry, f"adapter {name} added by an admin")
+        return await entry.backend.put_adapter(name, source, revision, follow)
+
+    async def remove_adapter(self, name: str) -> None:
+        await self._adapter_owner(name).backend.remove_adapter(name)
+
+    async def rollback_adapter(self, name: str) -> dict[str, Any]:
+        entry = self._adapter_owner(name)
+        await self.make_resident(entry, f"adapter {name} rolled back by an admin")
+        return await entry.backend.rollback_adapter(name)
+
+    async def engine_report(self) -> dict[str, Any]:
+        return {entry.id: await entry.backend.engine_report() for entry in self.entries.values()}
+
+    async def restart_engine(self) -> EngineSnapshot:
+        return await self._default_entry().backend.restart_engine()
+
+    def _adapter_owner(self, name: str, adding: bool = False) -> CatalogEntry:
+        """The model an adapter belongs to; a new one goes to the only model, or to the model
+        its name is prefixed with (``ID.NAME`` is not split: the catalog's ids are the choice)."""
+        entry = self.owner(name)
+        if entry is not None and entry.id != name:
+            return entry
+        if adding and len(self.entries) == 1:
+            return next(iter(self.entries.values()))
+        raise OpenAIError(
+            404 if not adding else 400,
+            f"no adapter named {name!r} in this catalog"
+            if not adding
+            else f"this catalog has {len(self.entries)} base models: add {name!r} in a model's "
+            "lora or adapter_dir in the config file",
+            code="adapter_not_found" if not adding else "ambiguous_base_model",
+        )
+
+    def engine_snapshot(self) -> EngineSnapshot:
+        """The default model's engine (the metrics' engine gauges follow it)."""
+        return self._default_entry().backend.engine_snapshot()
+
+
+def _measured_budget() -> int:
+    """What preflight measures: the free memory of the visible GPUs, or available RAM."""
+    from loragate.plan.cpu import node_available_bytes
+    from loragate.plan.preflight.machine import visible_gpus
+
+    gpus = visible_gpus()
+    if gpus:
+        return sum(gpu.free_bytes for gpu in gpus)
+    return node_available_bytes()

@@ -1,0 +1,79 @@
+"""A catalog of base models behind one gateway: each its own engine and adapters, booted on
+demand, at most ``max_loaded_models`` resident and within ``memory_budget``.
+
+Declared in the config file (``models:``); the simple case, one model, stays ``--model``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
+
+# A catalog id is what clients send as ``model``: the adapters' name rule (no '@' or '/').
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class CatalogModel(BaseModel):
+    """One base model of the catalog (``models.ID``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="The base model: a directory, a Hugging Face id or a GGUF file.")
+    lora: list[str] = Field(
+        default_factory=list, description="NAME=SOURCE adapters of this base, served from boot on."
+    )
+    adapter_dir: Path | None = Field(
+        default=None,
+        description=(
+            "A directory whose sub-folders are adapters of this base: an unregistered name that "
+            "names one is loaded on its first request."
+        ),
+    )
+    ttl: float | None = Field(
+        default=None, gt=0, description="Seconds idle after which the engine is unloaded."
+    )
+    keep: bool = Field(default=False, description="Never evicted to make room for another model.")
+    preload: bool = Field(default=False, description="Booted when the gateway starts.")
+    engine_args: list[str] = Field(
+        default_factory=list, description="Engine flags for this model, after the gateway's own."
+    )
+
+    @field_validator("lora", "engine_args", mode="before")
+    @classmethod
+    def _one_string_is_a_list(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+
+class CatalogFields(BaseModel):
+    models: dict[str, CatalogModel] = Field(
+        default_factory=dict,
+        description=(
+            "Several base models behind one gateway (config file only): ID: {model, lora, "
+            "adapter_dir, ttl, keep, preload, engine_args}. Each gets its own engine, booted on "
+            "its first request, and its own adapters; clients name the ID or an adapter."
+        ),
+    )
+    max_loaded_models: int | None = Field(
+        default=None,
+        ge=1,
+        description="With models: at most this many engines resident at once (default: no cap).",
+    )
+    memory_budget: ByteSize | None = Field(
+        default=None,
+        description=(
+            "With models: the memory the resident engines may take together (e.g. 12GiB). "
+            "Default: what preflight measures (free GPU memory, or available RAM on the CPU build)."
+        ),
+    )
+
+    @field_validator("models")
+    @classmethod
+    def _ids_are_names(cls, value: dict[str, CatalogModel]) -> dict[str, CatalogModel]:
+        bad = [model_id for model_id in value if not _ID.match(model_id)]
+        if bad:
+            raise ValueError(
+                f"model ids must be letters, digits, '.', '_' or '-' (no '@' or '/'): {bad}"
+            )
+        return value
