@@ -74,10 +74,11 @@ class EngineFields(BaseModel):
             "'single-process': the worker runs inside the engine core "
             "(VLLM_ENABLE_V1_MULTIPROCESSING=0 and --distributed-executor-backend uni), one "
             "process fewer and a faster boot on the CPU build, but without vLLM's CPU thread "
-            "binding; the same as 'multiprocess' on a GPU. Either way the API server is the "
-            "engine the supervisor probes, restarts and stops. Ignored when the engine's "
-            "environment sets VLLM_ENABLE_V1_MULTIPROCESSING, when an executor backend is "
-            "given, and for a parallel layout (tensor, pipeline or data parallel over 1)."
+            "binding (slower generation); the same as 'multiprocess' on a GPU. Either way the "
+            "API server is the engine the supervisor probes, restarts and stops. Ignored when "
+            "the engine's environment sets VLLM_ENABLE_V1_MULTIPROCESSING, when an executor "
+            "backend is given, and for a parallel layout (tensor, pipeline or data parallel "
+            "over 1)."
         ),
         json_schema_extra=serve_option(),
     )
