@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from loragate.cli_adapters import adapters_app
+from loragate.cli_adapters import adapters_app, models_app
 from loragate.cli_admin import (
     DEFAULT_URL,
     AdminKeyOption,
@@ -31,6 +31,7 @@ app = typer.Typer(
     context_settings=HELP_OPTIONS,
 )
 app.add_typer(adapters_app, name="adapters", context_settings=HELP_OPTIONS)
+app.add_typer(models_app, name="models", context_settings=HELP_OPTIONS)
 
 
 def _version(value: bool) -> None:

@@ -1,5 +1,6 @@
 """``gateway adapters ...``: add, list, remove and roll back a running gateway's adapters
-through its admin API, and convert an adapter offline."""
+through its admin API, and convert an adapter offline; ``gateway models ...``: a catalog's
+base models, listed, loaded and unloaded."""
 
 from __future__ import annotations
 
@@ -180,3 +181,53 @@ def adapters_convert(
     except (ValueError, OSError) as exc:
         fail(str(exc), FAILURE)
     typer.echo(f"wrote a PEFT adapter to {out}")
+
+
+models_app = typer.Typer(
+    help="List, load and unload the base models of a running gateway's catalog (admin API).",
+    no_args_is_help=True,
+)
+
+
+@models_app.command("list")
+def models_list(
+    url: UrlOption = DEFAULT_URL,
+    admin_key: AdminKeyOption = None,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Every base model with its residency, engine state, memory, idle time and adapters."""
+    result = admin_request(url, admin_key, "GET", "/admin/models", cache_dir=cache_dir)
+    typer.echo(f"{'MODEL':<20} {'RESIDENCY':<10} {'STATE':<11} {'MEMORY':>9} {'IDLE':>8} ADAPTERS")
+    for row in result.get("models", []):
+        memory = row.get("memory_bytes")
+        shown = f"{memory / (1 << 30):.2f}GiB" if memory else "-"
+        typer.echo(
+            f"{row['id']:<20} {row['residency']:<10} {row['state']:<11} {shown:>9} "
+            f"{row['idle_seconds']:>7.0f}s {', '.join(row['adapters']) or '-'}"
+        )
+    typer.echo(f"swaps: {result.get('swaps', 0)}")
+
+
+@models_app.command("load")
+def models_load(
+    name: str,
+    url: UrlOption = DEFAULT_URL,
+    admin_key: AdminKeyOption = None,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Boot NAME's engine now (unloading idle ones if it needs the room)."""
+    row = admin_request(url, admin_key, "POST", f"/admin/models/{name}/load", cache_dir=cache_dir)
+    typer.echo(f"{row['id']}: {row['residency']} ({row['state']})")
+
+
+@models_app.command("unload")
+def models_unload(
+    name: str,
+    url: UrlOption = DEFAULT_URL,
+    admin_key: AdminKeyOption = None,
+    cache_dir: CacheDirOption = None,
+) -> None:
+    """Stop NAME's engine; its adapters stay, and its next request boots it again."""
+    path = f"/admin/models/{name}/unload"
+    row = admin_request(url, admin_key, "POST", path, cache_dir=cache_dir)
+    typer.echo(f"{row['id']}: {row['residency']} ({row['state']})")

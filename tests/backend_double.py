@@ -169,6 +169,9 @@ class ManagedBackendDouble(RecordingBackend, SupervisedEngineBackend):
     async def stop(self) -> None:
         self.stops += 1
 
+    def start_report(self) -> dict[str, Any] | None:
+        return None  # nothing to prepare or boot
+
     def health(self) -> tuple[bool, dict[str, Any]]:
         if not self.starts:
             return False, {"status": "starting"}

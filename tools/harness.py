@@ -70,7 +70,15 @@ class GatewayProcess:
             "--admin-key", ADMIN_KEY,
             *self.args,
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LORAGATE_DEMO": self.demo, **self.env}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "LORAGATE_DEMO": self.demo,
+            # A third shorter a boot, the guarantees kept (tests/integration/test_boot_modes.py);
+            # the tests of the engine's process tree ask for the product's default themselves.
+            "LORAGATE_ENGINE_BOOT_MODE": "single-process",
+            **self.env,
+        }
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()

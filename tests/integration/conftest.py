@@ -57,6 +57,8 @@ FAST_SUPERVISION = {
     "LORAGATE_RESTART_BACKOFF": "0.5",
     # Its tests crash the engine on purpose, several times in a few minutes.
     "LORAGATE_CRASH_LOOP_LIMIT": "10",
+    # The product's default process tree (API server, EngineCore, Worker): what these kill.
+    "LORAGATE_ENGINE_BOOT_MODE": "multiprocess",
 }
 
 

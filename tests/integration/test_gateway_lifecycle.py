@@ -79,7 +79,11 @@ def killed_gateway(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     """
     cache_dir = tmp_path_factory.mktemp("lifecycle-cache")
     notify = NotifySocket(tmp_path_factory.mktemp("notify") / "notify.sock")
-    process = GatewayProcess(cache_dir=cache_dir, env={"NOTIFY_SOCKET": str(notify.path)}).start()
+    env = {
+        "NOTIFY_SOCKET": str(notify.path),
+        "LORAGATE_ENGINE_BOOT_MODE": "multiprocess",
+    }  # the whole tree: Worker too
+    process = GatewayProcess(cache_dir=cache_dir, env=env).start()
     try:
         process.wait_ready()
         notify.wait_for("READY=1")

@@ -152,6 +152,7 @@ def test_a_request_in_flight_is_never_cut_by_an_eviction(tmp_path: Path, demo_di
                 f"{url}/v1/chat/completions",
                 json={"model": "alpha", "messages": [{"role": "user", "content": "x"}]},
             )
+
             async def timed() -> tuple[httpx.Response, float]:
                 answer = await client.post(
                     f"{url}/v1/chat/completions",
@@ -290,3 +291,28 @@ def test_a_catalog_and_a_single_model_are_refused_together(values: dict[str, Any
 def test_catalog_ids_are_names() -> None:
     with pytest.raises(ValueError, match="model ids must be"):
         Settings(models={"a/b": {"model": "/m/a"}})
+
+
+def test_gateway_models_list_load_unload(tmp_path: Path, demo_dir: Path) -> None:
+    """The real `gateway models` commands against a running catalog."""
+    import subprocess
+
+    def gateway(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "loragate.cli", "models", *args]
+        command += ["--url", url, "--admin-key", "the-admin"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    with serving(create_app(catalog_settings(tmp_path, demo_dir))) as url:
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200)
+        listed = gateway("list")
+        assert listed.returncode == 0, listed.stderr
+        rows = {line.split()[0]: line.split()[1] for line in listed.stdout.splitlines()[1:-1]}
+        assert rows == {"alpha": "cold", "beta": "cold"}
+        assert "pong" in listed.stdout and listed.stdout.rstrip().endswith("swaps: 0")
+        loaded = gateway("load", "beta")
+        assert loaded.returncode == 0 and loaded.stdout.startswith("beta: "), loaded.stderr
+        wait_for(lambda: residency(url)["beta"] == "resident")
+        unloaded = gateway("unload", "beta")
+        assert unloaded.stdout.strip() == "beta: cold (stopped)"
+        missing = gateway("load", "gamma")
+        assert missing.returncode != 0 and "gamma" in missing.stderr

@@ -70,6 +70,8 @@ class CatalogEntry:
     # Requests past the room check and not yet handed to the engine (waiting for its boot):
     # an engine is idle, and may be unloaded, only with none of these and none in flight.
     wanted: int = 0
+    # Set while a request makes room for this model and boots it: later ones wait on it.
+    pending_load: asyncio.Future[None] | None = None
     last_unload_reason: str | None = None
 
     @property
@@ -207,24 +209,40 @@ class CatalogBackend:
     # ----- residency ----------------------------------------------------------------------
 
     async def make_resident(self, entry: CatalogEntry, reason: str) -> None:
-        """Boot ``entry``'s engine if it is cold, unloading idle ones first to make room."""
+        """Boot ``entry``'s engine if it is cold, unloading idle ones first to make room.
+
+        Requests for a model whose load is under way wait for that load instead of queueing
+        for the room again, so a burst for one model costs one boot, not one per request."""
         if entry.state in _RUNNING or entry.residency == FAILED:
+            return
+        if entry.pending_load is not None:
+            await asyncio.shield(entry.pending_load)
             return
         async with self._room:  # an unload in progress (STOPPING) ends first
             if entry.state in _RUNNING or entry.residency == FAILED:
                 return
-            evicted = await self._make_room_for(entry)
-            entry.loads += 1
-            if evicted:
-                self.swaps += 1
-                self.last_swap = {
-                    "loaded": entry.id,
-                    "unloaded": evicted,
-                    "at": time.time(),
-                    "reason": reason,
-                }
-            log.info("model %s: loading (%s)", entry.id, reason)
-            await entry.backend.load(f"loaded on demand: {reason}")
+            entry.pending_load = asyncio.get_running_loop().create_future()
+            try:
+                evicted = await self._make_room_for(entry)
+                entry.loads += 1
+                if evicted:
+                    self.swaps += 1
+                    self.last_swap = {
+                        "loaded": entry.id,
+                        "unloaded": evicted,
+                        "at": time.time(),
+                        "reason": reason,
+                    }
+                log.info("model %s: loading (%s)", entry.id, reason)
+                await entry.backend.load(f"loaded on demand: {reason}")
+            except BaseException as exc:
+                entry.pending_load.set_exception(exc)
+                entry.pending_load.exception()  # retrieved: no "never retrieved" warning
+                raise
+            else:
+                entry.pending_load.set_result(None)
+            finally:
+                entry.pending_load = None
 
     def _fits(self, entry: CatalogEntry, resident: list[CatalogEntry]) -> bool:
         cap = self.settings.max_loaded_models
