@@ -96,6 +96,8 @@ def serve_parameters() -> list[inspect.Parameter]:
             continue
         flags = [str(flag) for flag in typing.cast(list[str], extra["cli"])]
         option_type, choices = _option_type(name, field.annotation)
+        if extra.get("cli_repeatable"):
+            option_type = list[option_type]  # type: ignore[valid-type]
         option = typer.Option(
             *(flags or [f"--{name.replace('_', '-')}"]),
             help=_help(name, field),
@@ -115,13 +117,23 @@ def serve_parameters() -> list[inspect.Parameter]:
 
 
 def given_values(options: dict[str, Any]) -> dict[str, Any]:
-    """The options as ``load_settings`` takes them: None (and an empty list) for not given."""
+    """The options as ``load_settings`` takes them: None (and an empty list) for not given; a
+    repeatable one-value option given once, its one value (given more, the list, which the
+    field's validator reads)."""
     values = {}
     for name, value in options.items():
         if isinstance(value, enum.Enum):
             value = value.value
+        if isinstance(value, list) and len(value) == 1 and _repeatable(name):
+            (value,) = value
         values[name] = value if value != [] else None
     return values
+
+
+def _repeatable(name: str) -> bool:
+    field = Settings.model_fields.get(name)
+    extra = field.json_schema_extra if field is not None else None
+    return isinstance(extra, dict) and bool(extra.get("cli_repeatable"))
 
 
 def _option_type(name: str, annotation: Any) -> tuple[Any, bool]:

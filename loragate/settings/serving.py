@@ -3,9 +3,9 @@ listens."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from loragate.model_names import (
     DEMO_MODEL_NAME,
@@ -14,6 +14,26 @@ from loragate.model_names import (
     is_gguf_source,
 )
 from loragate.settings.serve_option import serve_option
+
+# With several --model: what else would say what to serve, and what names one model's id or
+# adapters without saying which model it is for (the config file's models: can).
+_OTHER_THINGS_TO_SERVE = {
+    "models": "models:",
+    "upstream_url": "--upstream-url",
+    "run_id": "--run-id",
+}
+_ONE_MODEL_ONLY = {
+    "model_name": "--model-name",
+    "lora": "--lora",
+    "adapters_manifest": "--adapters-manifest",
+}
+
+
+def catalog_id(source: str) -> str:
+    """The catalog id of a model given as ``--model SOURCE`` among several: the name one
+    ``--model`` serves it as, up to its last '/' (an id is also a directory name,
+    ``CACHE_DIR/models/ID``, and a path segment of ``/admin/models/ID``)."""
+    return ServingFields(model=source).served_model_name.rstrip("/").rsplit("/", 1)[-1]
 
 
 class ServingFields(BaseModel):
@@ -24,9 +44,13 @@ class ServingFields(BaseModel):
             "Base model: a local directory, a Hugging Face id, or a GGUF file (path/model.gguf, "
             "hf://ORG/REPO/FILE.gguf, pkg://DIST/PATH), dequantized once. Needed "
             "unless --upstream-url or --run-id is given: `gateway serve` never falls back to "
-            "the demo (`gateway demo` serves it)."
+            "the demo (`gateway demo` serves it). Repeat it to serve several base models, "
+            "each booted on its first request, under its name up to the last '/' "
+            "(docs/catalog.md)."
         ),
-        json_schema_extra=serve_option("--model", "--pretrained-model-name-or-path"),
+        json_schema_extra=serve_option(
+            "--model", "--pretrained-model-name-or-path", repeatable=True
+        ),
     )
     demo: Literal["smollm2", "tiny"] | None = Field(
         default=None,
@@ -107,6 +131,36 @@ class ServingFields(BaseModel):
     port: int = Field(
         default=8000, description="Port to listen on.", json_schema_extra=serve_option()
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _several_models_are_a_catalog(cls, data: Any) -> Any:
+        """``--model`` given more than once: a catalog (``models``) of those models, each
+        under the id one ``--model`` would serve it as. One given once passes as it is."""
+        if not isinstance(data, dict) or not isinstance(data.get("model"), list | tuple):
+            return data
+        sources = [str(source) for source in data["model"]]
+        if len(sources) <= 1:
+            return {**data, "model": sources[0] if sources else None}
+        given = f"--model is given {len(sources)} times (a catalog of base models)"
+        if others := [flag for name, flag in _OTHER_THINGS_TO_SERVE.items() if data.get(name)]:
+            raise ValueError(f"{given} and {', '.join(others)} also says what to serve: give one")
+        if others := [flag for name, flag in _ONE_MODEL_ONLY.items() if data.get(name)]:
+            raise ValueError(
+                f"{given}, and {', '.join(others)} would not say which model it is for: give "
+                "each model its id and adapters under models: in a config file (docs/catalog.md)"
+            )
+        models: dict[str, dict[str, str]] = {}
+        for source in sources:
+            model_id = catalog_id(source)
+            if model_id in models:
+                raise ValueError(
+                    f"--model {models[model_id]['model']} and --model {source} would both be "
+                    f"served as {model_id!r}: give them ids under models: in a config file "
+                    "(docs/catalog.md)"
+                )
+            models[model_id] = {"model": source}
+        return {key: value for key, value in data.items() if key != "model"} | {"models": models}
 
     @field_validator("upstream_url")
     @classmethod
