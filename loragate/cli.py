@@ -114,11 +114,20 @@ def status(
     admin_key: AdminKeyOption = None,
     cache_dir: CacheDirOption = None,
 ) -> None:
-    """Engine state, pid, restarts and adapters of a running gateway."""
+    """Engine state, pid, restarts and adapters of a running gateway; for a catalog of base
+    models, each model's engine, and the models (residency, memory, last use, loads) and swaps."""
     engine = admin_request(url, admin_key, "GET", "/admin/engine", cache_dir=cache_dir)
     adapters = admin_request(url, admin_key, "GET", "/admin/adapters", cache_dir=cache_dir)
-    engine.pop("log_tail", None)
-    typer.echo(json.dumps({"engine": engine, "adapters": adapters.get("data", [])}, indent=2))
+    report = {"engine": engine, "adapters": adapters.get("data", [])}
+    if "base_models" in adapters:  # a catalog: /admin/engine has one engine per model
+        for model_engine in engine.values():
+            model_engine.pop("log_tail", None)
+        catalog = admin_request(url, admin_key, "GET", "/admin/models", cache_dir=cache_dir)
+        catalog.pop("object", None)
+        report["catalog"] = catalog
+    else:
+        engine.pop("log_tail", None)
+    typer.echo(json.dumps(report, indent=2))
 
 
 @app.command("systemd-unit")

@@ -6,12 +6,18 @@ families for a collector, and ``prometheus_client`` writes the exposition (names
 ``NaN``, histogram buckets), followed by its standard ``process_*`` and ``python_info``
 families and ``loragate_build_info`` (``gateway_process_metrics``), then the engine's own series with
 ``component="engine"``. The model is labelled ``model_name``, as vLLM labels its own series.
+
+A catalog of base models (``CatalogAdmin``) adds one series per model (``model_name``: its
+id): residency, memory, last use, loads and unloads, and the engine gauges of each model's
+engine instead of one engine's; and the catalog's swaps. Its engines' own ``/metrics`` are
+not appended: each writes the same ``vllm:*`` families, which one exposition cannot repeat.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -29,7 +35,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from loragate.adapters.stats import AdapterStats
-from loragate.gateway.backends.base import adapter_stats_of, engine_metrics_of, engine_snapshot_of
+from loragate.gateway.backends.base import (
+    CatalogAdmin,
+    adapter_stats_of,
+    engine_metrics_of,
+    engine_snapshot_of,
+)
+from loragate.gateway.backends.catalog import COLD, FAILED, LOADING, RESIDENT
 from loragate.supervisor.states import EngineSnapshot, EngineState
 
 if TYPE_CHECKING:
@@ -151,20 +163,27 @@ def token_families(metrics: GatewayMetrics) -> list[Metric]:
 async def render(gateway: Gateway) -> bytes:
     """The whole scrape: the gateway's metrics, its backend's state, then the engine's own."""
     families = request_families(gateway.metrics)
-    engine = engine_snapshot_of(gateway.backend)
-    if engine is not None:
-        families += _engine_families(engine)
-    adapters = await adapter_stats_of(gateway.backend)
+    backend = gateway.backend
+    if isinstance(backend, CatalogAdmin):
+        families += catalog_families(backend.catalog_report())
+        engines: dict[tuple[str, ...], EngineSnapshot] = {
+            (model_id,): engine for model_id, engine in backend.engine_snapshots().items()
+        }
+        families += _engine_families(engines, ["model_name"])
+    elif (engine := engine_snapshot_of(backend)) is not None:
+        families += _engine_families({(): engine}, [])
+    adapters = await adapter_stats_of(backend)
     if adapters is not None:
         families += _adapter_families(adapters)
-    engine_text = await engine_metrics_of(gateway.backend)
-    families.append(
-        _gauge(
-            "loragate_engine_metrics_up",
-            "Whether the engine's own /metrics answered this scrape.",
-            1 if engine_text else 0,
+    engine_text = await engine_metrics_of(backend)
+    if not isinstance(backend, CatalogAdmin):  # a catalog's engines are not asked (above)
+        families.append(
+            _gauge(
+                "loragate_engine_metrics_up",
+                "Whether the engine's own /metrics answered this scrape.",
+                1 if engine_text else 0,
+            )
         )
-    )
     return exposition(families) + gateway_process_metrics() + (engine_text or b"")
 
 
@@ -176,25 +195,108 @@ def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily
     return CounterMetricFamily(name, documentation, value=value)
 
 
-def _engine_families(engine: EngineSnapshot) -> list[Metric]:
+def _engine_families(
+    engines: Mapping[tuple[str, ...], EngineSnapshot], labels: Sequence[str]
+) -> list[Metric]:
+    """The engine gauges, one series per engine: ``engines`` by their ``labels``' values (one
+    engine and no labels for a single model; a catalog's by ``model_name``)."""
     state = GaugeMetricFamily(
         "loragate_engine_state",
         "The engine's life-cycle state (1 for the current one).",
-        labels=["state"],
+        labels=[*labels, "state"],
     )
-    for known in EngineState:
-        state.add_metric([str(known)], 1 if known == engine.state else 0)
+    restarts = CounterMetricFamily(
+        "loragate_engine_restarts", "Engine restarts since the gateway started.", labels=labels
+    )
+    queued = GaugeMetricFamily(
+        "loragate_requests_queued",
+        "Requests waiting for the engine to become ready.",
+        labels=labels,
+    )
+    for values, engine in engines.items():
+        for known in EngineState:
+            state.add_metric([*values, str(known)], 1 if known == engine.state else 0)
+        restarts.add_metric(list(values), engine.restarts)
+        queued.add_metric(list(values), engine.waiting_requests)
+    return [state, restarts, queued]
+
+
+RESIDENCIES = (RESIDENT, LOADING, COLD, FAILED)
+
+
+def catalog_families(report: dict[str, Any]) -> list[Metric]:
+    """A catalog's models by ``model_name`` (``CatalogAdmin.catalog_report``), and its swaps."""
+    by_model = ["model_name"]
+    residency = GaugeMetricFamily(
+        "loragate_model_residency",
+        "Where a catalog model is: resident, loading, cold or failed (1 for the current one).",
+        labels=[*by_model, "residency"],
+    )
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        "memory_bytes": GaugeMetricFamily(
+            "loragate_model_memory_bytes",
+            "The memory a model's engine is planned to hold (what counts against the "
+            "memory budget while it runs).",
+            labels=by_model,
+        ),
+        "in_flight": GaugeMetricFamily(
+            "loragate_model_requests_in_flight",
+            "Requests a model's engine is answering now.",
+            labels=by_model,
+        ),
+        "last_used": GaugeMetricFamily(
+            "loragate_model_last_used_timestamp_seconds",
+            "When a model last answered a request (Unix time; its start until its first).",
+            labels=by_model,
+        ),
+        "adapters": GaugeMetricFamily(
+            "loragate_model_adapters", "Adapters a model serves.", labels=by_model
+        ),
+        "loads": CounterMetricFamily(
+            "loragate_model_loads", "Boots of a model's engine into memory.", labels=by_model
+        ),
+        "unloads": CounterMetricFamily(
+            "loragate_model_unloads",
+            "Unloads of a model's engine (to make room, idle past its ttl, or by an admin).",
+            labels=by_model,
+        ),
+    }
+    now = time.time()
+    for model in report["models"]:
+        name = [model["id"]]
+        for known in dict.fromkeys([*RESIDENCIES, model["residency"]]):  # each shown once
+            residency.add_metric([*name, known], 1 if model["residency"] == known else 0)
+        memory = model["memory_bytes"]
+        families["memory_bytes"].add_metric(name, NAN if memory is None else memory)
+        families["in_flight"].add_metric(name, model["in_flight"])
+        families["last_used"].add_metric(name, round(now - model["idle_seconds"], 1))
+        families["adapters"].add_metric(name, len(model["adapters"]))
+        families["loads"].add_metric(name, model["loads"])
+        families["unloads"].add_metric(name, model["unloads"])
+    last_swap, budget = report["last_swap"], report["memory_budget"]
+    cap = report["max_loaded_models"]
     return [
-        state,
+        residency,
+        *families.values(),
         _counter(
-            "loragate_engine_restarts",
-            "Engine restarts since the gateway started.",
-            engine.restarts,
+            "loragate_catalog_swaps",
+            "Loads that unloaded other models to make room.",
+            report["swaps"],
         ),
         _gauge(
-            "loragate_requests_queued",
-            "Requests waiting for the engine to become ready.",
-            engine.waiting_requests,
+            "loragate_catalog_last_swap_timestamp_seconds",
+            "When the last swap happened (Unix time; NaN before the first).",
+            NAN if last_swap is None else last_swap["at"],
+        ),
+        _gauge(
+            "loragate_catalog_memory_budget_bytes",
+            "The memory the resident models' engines may hold together (NaN: not known yet).",
+            NAN if budget is None else budget,
+        ),
+        _gauge(
+            "loragate_catalog_max_loaded_models",
+            "How many models may be resident at once (NaN: no cap).",
+            NAN if cap is None else cap,
         ),
     ]
 

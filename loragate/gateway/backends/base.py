@@ -147,6 +147,10 @@ class CatalogAdmin(Protocol):
 
     async def unload_by_hand(self, model_id: str) -> dict[str, Any]: ...
 
+    def engine_snapshots(self) -> dict[str, EngineSnapshot]:
+        """Every model's engine, by model id."""
+        ...
+
 
 def catalog_of(backend: GatewayBackend) -> CatalogAdmin:
     """``backend``'s catalog, or the 404 a gateway serving one base model answers."""

@@ -465,8 +465,12 @@ class CatalogBackend:
         )
 
     def engine_snapshot(self) -> EngineSnapshot:
-        """The default model's engine (the metrics' engine gauges follow it)."""
+        """The default model's engine (what reads one engine: the log tail, /health's uptime)."""
         return self._default_entry().backend.engine_snapshot()
+
+    def engine_snapshots(self) -> dict[str, EngineSnapshot]:
+        """Every model's engine, by model id (the metrics' engine gauges, one per model)."""
+        return {entry.id: entry.backend.engine_snapshot() for entry in self.entries.values()}
 
 
 def _measured_budget() -> int:

@@ -18,7 +18,12 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import StreamingResponse
 
-from loragate.gateway.backends.base import engine_metrics_of, engine_snapshot_of
+from loragate.gateway.backends.base import (
+    CatalogAdmin,
+    GatewayBackend,
+    engine_metrics_of,
+    engine_snapshot_of,
+)
 from loragate.gateway.backends.engine_metrics import kv_cache_usage
 from loragate.gateway.log_tail import engine_lines, gateway_lines, merged
 from loragate.gateway.runtime import Gateway
@@ -109,12 +114,19 @@ async def recent_traffic(
     gateway: Gateway = request.app.state.gateway
     if not gateway.settings.metrics_public:
         gateway.check_admin_key(request, request.client.host if request.client else None)
-    engine = engine_snapshot_of(gateway.backend)
     return {
         "now": time.time(),
         "window": window,
         "step": step,
         "in_flight": gateway.metrics.in_flight,
-        "queued": engine.waiting_requests if engine is not None else 0,
+        "queued": _queued(gateway.backend),
         "points": gateway.metrics.recent.series(window, step),
     }
+
+
+def _queued(backend: GatewayBackend) -> int:
+    """Requests waiting for an engine to serve: a catalog's, every model's engine together."""
+    if isinstance(backend, CatalogAdmin):
+        return sum(engine.waiting_requests for engine in backend.engine_snapshots().values())
+    engine = engine_snapshot_of(backend)
+    return engine.waiting_requests if engine is not None else 0
