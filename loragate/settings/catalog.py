@@ -36,6 +36,14 @@ class CatalogModel(BaseModel):
     )
     keep: bool = Field(default=False, description="Never evicted to make room for another model.")
     preload: bool = Field(default=False, description="Booted when the gateway starts.")
+    sleep: bool = Field(
+        default=False,
+        description=(
+            "GPU builds: unload by vLLM's sleep mode (level 1: weights to host memory, KV cache "
+            "dropped) instead of stopping the engine, so loading it again is a wake of seconds, "
+            "not a boot. vLLM's CPU build has no sleep mode: there it is ignored, with a warning."
+        ),
+    )
     engine_args: list[str] = Field(
         default_factory=list, description="Engine flags for this model, after the gateway's own."
     )

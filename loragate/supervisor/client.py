@@ -71,6 +71,18 @@ class EngineClient:
         items = listing.get("data", []) if isinstance(listing, dict) else []
         return {item["id"] for item in items if isinstance(item, dict) and "id" in item}
 
+    async def sleep(self) -> None:
+        """vLLM's sleep mode, level 1: weights to host memory, KV cache dropped; the engine
+        process stays (it must run with ``--enable-sleep-mode`` and VLLM_SERVER_DEV_MODE=1)."""
+        response = await self._send("POST", "/sleep?level=1")
+        if response.status != 200:
+            raise EngineUnavailable(f"the engine did not go to sleep: {_detail(response)}")
+
+    async def wake_up(self) -> None:
+        response = await self._send("POST", "/wake_up")
+        if response.status != 200:
+            raise EngineUnavailable(f"the engine did not wake up: {_detail(response)}")
+
     async def aclose(self) -> None:
         """Nothing to close: each call has its own connection (kept for the backend's stop)."""
 

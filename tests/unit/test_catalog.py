@@ -316,3 +316,35 @@ def test_gateway_models_list_load_unload(tmp_path: Path, demo_dir: Path) -> None
         assert unloaded.stdout.strip() == "beta: cold (stopped)"
         missing = gateway("load", "gamma")
         assert missing.returncode != 0 and "gamma" in missing.stderr
+
+
+def test_sleep_mode_unloads_by_sleeping_and_loads_by_waking_the_same_engine(
+    tmp_path: Path, demo_dir: Path
+) -> None:
+    """With ``sleep: true`` an eviction is vLLM's /sleep (the engine process stays) and the next
+    request is a /wake_up, not a boot. The stand-in engine serves the sleep routes as vLLM does
+    (only with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1) and refuses to generate while
+    asleep, so an answer proves the wake came first."""
+    base = str(demo_base_dir(demo_dir))
+    models = {"alpha": {"model": base, "sleep": True}, "beta": {"model": base, "sleep": True}}
+    settings = catalog_settings(tmp_path, demo_dir, models=models, max_loaded_models=1)
+    app = create_app(settings)
+    with serving(app) as url:
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200)
+        assert chat(url, "alpha").status_code == 200
+        engines = httpx.get(f"{url}/admin/engine", headers=ADMIN, timeout=10).json()
+        alpha_pid = engines["alpha"]["pid"]
+        assert chat(url, "beta").status_code == 200
+        assert residency(url) == {"alpha": "asleep", "beta": "resident"}
+        answer = chat(url, "alpha")
+        assert answer.status_code == 200, answer.text
+        assert residency(url) == {"alpha": "resident", "beta": "asleep"}
+        report = catalog(url)
+        assert report["alpha"]["loads"] == 1 and report["alpha"]["wakes"] == 1
+        assert report["alpha"]["sleep_mode"] is True
+        engines = httpx.get(f"{url}/admin/engine", headers=ADMIN, timeout=10).json()
+        assert engines["alpha"]["pid"] == alpha_pid and engines["alpha"]["restarts"] == 0
+        argv = Path(f"/proc/{alpha_pid}/cmdline").read_bytes().split(b"\0")
+        assert b"--enable-sleep-mode" in argv
+        unloaded = httpx.post(f"{url}/admin/models/beta/unload", headers=ADMIN, timeout=60)
+        assert unloaded.json()["residency"] == "cold"  # by hand: stopped, not asleep

@@ -51,6 +51,12 @@ class FakeEngine:
     aborted: dict[str, int] = field(default_factory=dict)
     loaded: dict[str, str] = field(default_factory=dict)
     kv_cache_usage: float = 0.0  # what /metrics reports as vllm:kv_cache_usage_perc (0 to 1)
+    # vLLM's sleep mode (served with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1): a
+    # sleeping engine refuses generations until woken, as a real one cannot generate.
+    sleep_mode: bool = False
+    sleeping: bool = False
+    sleeps: int = 0
+    wakes: int = 0
 
     @property
     def streams_cut(self) -> int:
@@ -158,7 +164,17 @@ class _Request(asyncio.Protocol):
         if path == b"/v1/unload_lora_adapter":
             state.loaded.pop(body.get("lora_name", ""), None)
             return _response(200, b"Success: LoRA adapter removed successfully.", b"text/plain")
+        if state.sleep_mode and path in (b"/sleep", b"/wake_up", b"/is_sleeping"):
+            if path == b"/sleep":
+                state.sleeping, state.sleeps = True, state.sleeps + 1
+                return _response(200, b'{"status":"sleeping","level":1}')
+            if path == b"/wake_up":
+                state.sleeping, state.wakes = False, state.wakes + (1 if state.sleeping else 0)
+                return _response(200, b'{"status":"awake","tags":null}')
+            return _response(200, orjson.dumps({"is_sleeping": state.sleeping}))
         if path in (b"/v1/chat/completions", b"/v1/completions"):
+            if state.sleeping:
+                return _response(500, b'{"error":{"message":"the engine is sleeping"}}')
             return self.complete(body, chat=path == b"/v1/chat/completions")
         if path == b"/v1/responses":  # a generation too, answered in the chat shape
             return self.complete(body, chat=True)
@@ -285,6 +301,7 @@ def parse_args(argv: list[str]) -> tuple[Listen, FakeEngine]:
     # Like vLLM, the key may come from VLLM_API_KEY (that is how the supervisor passes it).
     host, port, key, names, interval = "127.0.0.1", 8000, os.environ.get("VLLM_API_KEY"), [], 0.0
     uds: str | None = None
+    sleep_mode = False
     index = 0
     while index < len(argv):
         arg = argv[index]
@@ -299,6 +316,8 @@ def parse_args(argv: list[str]) -> tuple[Listen, FakeEngine]:
             key = nxt
         elif arg == "--token-interval":
             interval = float(nxt)
+        elif arg == "--enable-sleep-mode":
+            sleep_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
         elif arg == "--served-model-name":
             names.append(nxt)
         elif arg == "--lora-modules":
@@ -313,7 +332,12 @@ def parse_args(argv: list[str]) -> tuple[Listen, FakeEngine]:
         index += 1
     return (
         Listen(host, port, uds),
-        FakeEngine(api_key=key, models=names or ["bench-model"], token_interval=interval),
+        FakeEngine(
+            api_key=key,
+            models=names or ["bench-model"],
+            token_interval=interval,
+            sleep_mode=sleep_mode,
+        ),
     )
 
 

@@ -34,7 +34,7 @@ from loragate.supervisor.states import EngineSnapshot, EngineState
 
 log = logging.getLogger("loragate.gateway")
 
-RESIDENT, LOADING, COLD, FAILED = "resident", "loading", "cold", "failed"
+RESIDENT, LOADING, ASLEEP, COLD, FAILED = "resident", "loading", "asleep", "cold", "failed"
 _TTL_CHECK_SECONDS = 5.0
 # States of an engine that is up or coming up: a request for it goes straight to it.
 _RUNNING = frozenset(
@@ -72,6 +72,18 @@ class CatalogEntry:
     wanted: int = 0
     # Set while a request makes room for this model and boots it: later ones wait on it.
     pending_load: asyncio.Future[None] | None = None
+    # Unloaded by vLLM's sleep mode: the engine runs, its weights in host memory.
+    asleep: bool = False
+    wakes: int = 0
+
+    def __post_init__(self) -> None:
+        self.backend.sleep_mode = self.spec.sleep
+        self.backend.supervisor.add_listener(self._engine_changed)
+
+    def _engine_changed(self, state: EngineState, reason: str) -> None:
+        if state not in (EngineState.READY, EngineState.UNHEALTHY):
+            self.asleep = False  # a new boot, or none: awake (or gone) either way
+
     last_unload_reason: str | None = None
 
     @property
@@ -83,7 +95,7 @@ class CatalogEntry:
         if self.backend.prepare_error is not None or self.state == EngineState.FAILED:
             return FAILED
         if self.state in (EngineState.READY, EngineState.UNHEALTHY):
-            return RESIDENT
+            return ASLEEP if self.asleep else RESIDENT
         if self.state == EngineState.STOPPED and self.backend.prepared:
             return COLD
         return LOADING
@@ -94,8 +106,13 @@ class CatalogEntry:
 
     @property
     def holds_memory(self) -> bool:
-        """Whether its engine runs (or is about to): it counts against the budget."""
-        return self.state not in (EngineState.STOPPED, EngineState.FAILED)
+        """Whether its engine runs awake (or is about to): it counts against the budget."""
+        return self.state not in (EngineState.STOPPED, EngineState.FAILED) and not self.asleep
+
+    @property
+    def takes_requests(self) -> bool:
+        """Up or coming up, and awake: a request for it goes straight to its engine."""
+        return self.state in _RUNNING and not self.asleep
 
 
 class CatalogBackend:
@@ -213,18 +230,17 @@ class CatalogBackend:
 
         Requests for a model whose load is under way wait for that load instead of queueing
         for the room again, so a burst for one model costs one boot, not one per request."""
-        if entry.state in _RUNNING or entry.residency == FAILED:
+        if entry.takes_requests or entry.residency == FAILED:
             return
         if entry.pending_load is not None:
             await asyncio.shield(entry.pending_load)
             return
         async with self._room:  # an unload in progress (STOPPING) ends first
-            if entry.state in _RUNNING or entry.residency == FAILED:
+            if entry.takes_requests or entry.residency == FAILED:
                 return
             entry.pending_load = asyncio.get_running_loop().create_future()
             try:
                 evicted = await self._make_room_for(entry)
-                entry.loads += 1
                 if evicted:
                     self.swaps += 1
                     self.last_swap = {
@@ -233,8 +249,15 @@ class CatalogBackend:
                         "at": time.time(),
                         "reason": reason,
                     }
-                log.info("model %s: loading (%s)", entry.id, reason)
-                await entry.backend.load(f"loaded on demand: {reason}")
+                if entry.asleep:
+                    log.info("model %s: waking up (%s)", entry.id, reason)
+                    await entry.backend.engine.wake_up()
+                    entry.asleep = False
+                    entry.wakes += 1
+                else:
+                    log.info("model %s: loading (%s)", entry.id, reason)
+                    entry.loads += 1
+                    await entry.backend.load(f"loaded on demand: {reason}")
             except BaseException as exc:
                 entry.pending_load.set_exception(exc)
                 entry.pending_load.exception()  # retrieved: no "never retrieved" warning
@@ -283,10 +306,16 @@ class CatalogBackend:
                 )
             await asyncio.sleep(0.05)  # the least recently used drains, or finishes loading
 
-    async def unload(self, entry: CatalogEntry, reason: str) -> None:
-        log.info("model %s: unloading (%s)", entry.id, reason)
+    async def unload(self, entry: CatalogEntry, reason: str, stop: bool = False) -> None:
+        """Stop ``entry``'s engine, or, with sleep mode and not ``stop``, put it to sleep."""
         entry.unloads += 1
         entry.last_unload_reason = reason
+        if entry.backend.sleep_mode and not stop and entry.residency == RESIDENT:
+            log.info("model %s: going to sleep (%s)", entry.id, reason)
+            entry.asleep = True  # at once: no request may go to it from now on
+            await entry.backend.engine.sleep()
+            return
+        log.info("model %s: unloading (%s)", entry.id, reason)
         await entry.backend.unload(f"unloaded: {reason}")
 
     async def load_by_hand(self, model_id: str) -> dict[str, Any]:
@@ -297,8 +326,8 @@ class CatalogBackend:
     async def unload_by_hand(self, model_id: str) -> dict[str, Any]:
         entry = self._entry(model_id)
         async with self._room:
-            if entry.holds_memory:
-                await self.unload(entry, "unloaded by an admin")
+            if entry.state not in (EngineState.STOPPED, EngineState.FAILED):
+                await self.unload(entry, "unloaded by an admin", stop=True)
         return self.model_report(entry)
 
     def _entry(self, model_id: str) -> CatalogEntry:
@@ -369,7 +398,9 @@ class CatalogBackend:
             "in_flight": backend.in_flight,
             "idle_seconds": round(time.monotonic() - backend.last_used, 1),
             "loads": entry.loads,
+            "wakes": entry.wakes,
             "unloads": entry.unloads,
+            "sleep_mode": backend.sleep_mode,
             "last_unload_reason": entry.last_unload_reason,
             "keep": entry.spec.keep,
             "ttl": entry.spec.ttl,
@@ -392,7 +423,7 @@ class CatalogBackend:
         failed = {k: r["reason"] for k, r in reports.items() if r["residency"] == FAILED}
         starting = not all(entry.backend.prepared for entry in self.entries.values())
         body: dict[str, Any] = {
-            "status": "starting" if starting else ("degraded" if failed else "ok"),
+            "status": "starting" if starting else ("degraded" if failed else "healthy"),
             "models": self.model_ids(),
             "catalog": {
                 model_id: {key: report[key] for key in ("residency", "state", "reason")}

@@ -115,6 +115,8 @@ class SupervisedEngineBackend:
         self.last_used = time.monotonic()
         # What the plan says the running engine holds, for a catalog's memory budget.
         self.memory_bytes: int | None = None
+        # A catalog model unloaded by vLLM's sleep mode: the engine runs with it enabled.
+        self.sleep_mode = False
         self._watchdog: asyncio.Task[None] | None = None
         # How far the start has come (download, dequantization, boot): /health, STATUS=.
         self.start_progress = WaitProgress(
@@ -237,6 +239,13 @@ class SupervisedEngineBackend:
         self._extra_engine_args, self._engine_env = plan.extra_args, plan.env
         self.memory_plan, self.cpu_lora_ops = plan.memory_plan, plan.cpu_lora_ops
         self.memory_bytes = plan.memory_bytes
+        if self.sleep_mode and plan.cpu_build and settings.engine_command is None:
+            log.warning(
+                "model %s: sleep mode is for GPU builds (vLLM's CPU build has none): "
+                "unloading it stops its engine",
+                self.base_name,
+            )
+            self.sleep_mode = False
         boot_loras = plan.boot_loras
         self.zero_adapter = settings.base_routing == "zero-adapter" or (
             settings.base_routing == "auto" and plan.cpu_build and not self.cpu_lora_ops
@@ -281,7 +290,10 @@ class SupervisedEngineBackend:
             distributed_executor_backend=settings.distributed_executor_backend,
             boot_mode=settings.engine_boot_mode,
             lora_modules=self.manager.boot_modules(),
-            extra_args=self._extra_engine_args + ENGINE_MEDIA_ARGS + list(settings.engine_args),
+            extra_args=self._extra_engine_args
+            + ENGINE_MEDIA_ARGS
+            + (["--enable-sleep-mode"] if self.sleep_mode else [])
+            + list(settings.engine_args),
             python=settings.engine_python,
             command=settings.engine_command,
             log_to_stderr=settings.engine_log_to_stderr,
@@ -290,6 +302,8 @@ class SupervisedEngineBackend:
             env={
                 **engine_media_env(settings.max_image_bytes),
                 **self._engine_env,
+                # vLLM serves /sleep and /wake_up only in its development mode.
+                **({"VLLM_SERVER_DEV_MODE": "1"} if self.sleep_mode else {}),
             },
         )
 
@@ -342,7 +356,7 @@ class SupervisedEngineBackend:
             )
             return False, body
         if self.supervisor.serving and self.manager.all_loaded:
-            return True, {"status": "ok", "models": self.model_ids(), **fleet}
+            return True, {"status": "healthy", "models": self.model_ids(), **fleet}
         if self.supervisor.serving:
             body["status"] = "starting" if state == EngineState.READY else str(state)
             body["reason"] = (
