@@ -71,6 +71,8 @@ class EngineVersions:
         try:
             if hash_files:
                 self._store.verify(stored)
+            else:
+                self._store.check_preset(stored)
         except TamperedAdapterError as exc:
             raise AdapterError(str(exc), status=409, code="adapter_tampered") from None
         return stored
@@ -125,6 +127,7 @@ class EngineVersions:
             log.warning("could not unload %s: %s", eid, exc)
             return
         self.loaded.discard(eid)
+        self._routes.forget(eid)
         self._counters["unloads"] += 1
 
     def retire(self, name: str, old_eid: str) -> None:
@@ -157,4 +160,5 @@ class EngineVersions:
                 log.warning("could not unload %s: %s", old_eid, exc)
                 return
             self.loaded.discard(old_eid)
+            self._routes.forget(old_eid)
             self._counters["unloads"] += 1

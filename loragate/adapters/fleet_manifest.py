@@ -4,7 +4,11 @@ A manifest is JSON or YAML with the fields of ``PUT /admin/adapters/{name}``, pl
 digest pin::
 
     {"adapters": {"support": {"source": "hf://acme/support-lora", "revision": "v3",
-                              "follow": false, "digest": "3f1c0a9d2b7e"}}}
+                              "follow": false, "digest": "3f1c0a9d2b7e",
+                              "preset": {"system_prompt": "You answer support tickets."}}}}
+
+``preset`` is the version's preset (``loragate.adapters.preset``; ``{}``: none, absent: the
+source's own ``loragate.json``), part of the version's identity like its weights.
 
 A manifest that names no adapter is refused (the current adapters keep serving) unless it says
 so on purpose: ``{"adapters": {}, "allow_empty": true}``. A truncated file (``adapters:``),
@@ -28,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
+from loragate.adapters.preset import Preset, PresetError
 
 MAX_MANIFEST_BYTES = 1 << 20  # a thousand adapters fit in a few hundred KiB
-_FIELDS = {"source", "revision", "follow", "digest"}
+_FIELDS = {"source", "revision", "follow", "digest", "preset"}
 _DIGEST = re.compile(r"^[0-9a-f]{8,64}$")
 _HF_FILE = re.compile(r"^hf://(?P<repo>[^/@\s]+/[^/@\s]+)(?:@(?P<rev>[^/\s]+))?/(?P<path>.+)$")
 
@@ -45,6 +50,8 @@ class DesiredAdapter:
     revision: str | None = None
     follow: bool = False
     digest: str | None = None  # a prefix of the version's sha256 the store must end up with
+    # The preset as written (its values are checked against the parameter table when applied).
+    preset: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,7 +139,13 @@ def _desired(name: str, spec: Any) -> DesiredAdapter:
             f"adapters manifest: {name!r}: digest must be 8 to 64 lowercase hex digits of the "
             "version's sha256 (GET /admin/adapters shows it as 'version')"
         )
-    return DesiredAdapter(source.strip(), revision, follow, digest)
+    preset = spec.get("preset")
+    if preset is not None:
+        try:
+            Preset.from_dict(preset)  # its shape now; its values when the entry is applied
+        except PresetError as exc:
+            raise FleetManifestError(f"adapters manifest: {name!r}: {exc}") from None
+    return DesiredAdapter(source.strip(), revision, follow, digest, preset)
 
 
 def fetch_fleet_manifest(source: str, timeout: float = 30.0) -> bytes:

@@ -168,7 +168,12 @@ class FleetReconciler:
                 continue
             try:
                 await manager.put(
-                    name, desired.source, desired.revision, desired.follow, digest=desired.digest
+                    name,
+                    desired.source,
+                    desired.revision,
+                    desired.follow,
+                    digest=desired.digest,
+                    preset=desired.preset,
                 )
             except Exception as exc:
                 complete = False
@@ -227,6 +232,8 @@ def _failure(exc: Exception) -> tuple[str, bool]:
 
 def _entry_matches(entry: ManifestEntry, desired: DesiredAdapter) -> bool:
     if entry.provenance.source != desired.source or entry.follow != desired.follow:
+        return False
+    if entry.preset != desired.preset:
         return False
     if desired.revision is not None and entry.provenance.revision != desired.revision:
         return False

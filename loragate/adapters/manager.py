@@ -13,6 +13,11 @@ One adapter never takes the others down: each manifest entry (and each ``--lora`
 applied on its own at boot and after an engine restart, and whatever goes wrong with it (an
 unreadable entry, a refusal, an unexpected exception) becomes that adapter's ``failures``
 entry, shown in ``GET /admin/adapters`` and ``/health``.
+
+A version's preset (``preset``) is part of it: stored with its weights, loaded under its own
+engine id, routed with it (``RoutingTable.preset_of``), swapped and rolled back with it. A
+preset given to ``put`` is checked before anything is fetched (a bad one changes nothing) and
+kept in the manifest entry, so following the source or repairing the version gives it again.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from loragate.adapters.errors import AdapterError, disk_error
 from loragate.adapters.intake.pipeline import PreparedVersion
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
+from loragate.adapters.preset import ParameterRules, Preset, PresetError
 from loragate.adapters.progress import ProgressBoard
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.routing import RoutingTable
@@ -48,7 +54,9 @@ log = logging.getLogger("loragate.adapters")
 ZERO_ADAPTER_NAME = "__base__"
 
 
-Preparer = Callable[[str, str | None], Awaitable[PreparedVersion]]
+# (source, revision[, preset]): the preset is passed only when the change gives one, else the
+# source's own (its ``loragate.json``) applies.
+Preparer = Callable[..., Awaitable[PreparedVersion]]
 
 
 def _check_pin(prepared: PreparedVersion, digest: str | None) -> None:
@@ -75,8 +83,12 @@ class AdapterManager:
         zero_adapter_root: Path | None,
         drain_timeout: float = 30.0,
         ready_timeout: float = 900.0,
+        preset_rules: ParameterRules | None = None,
+        base_preset: Preset | None = None,
     ) -> None:
         self.store = store
+        self.preset_rules = preset_rules
+        self.base_preset = base_preset
         self.manifest = manifest
         self.base_name = base_name
         self._prepare = prepare
@@ -103,7 +115,7 @@ class AdapterManager:
             digest = hashlib.sha256(json.dumps(base_config, sort_keys=True).encode()).hexdigest()
             self._zero_dir = write_zero_adapter(base_config, zero_adapter_root / digest[:16])
             self.base_engine_id = engine_id(ZERO_ADAPTER_NAME, digest)
-        self.routes.route(base_name, self.base_engine_id)
+        self.routes.route(base_name, self.base_engine_id, base_preset)
         for name, (why, _) in manifest.unreadable.items():
             self.failures[name] = (
                 f"its entry in the adapter manifest {manifest.path} cannot be read ({why}); "
@@ -176,6 +188,16 @@ class AdapterManager:
     def release(self, engine_id_: str) -> None:
         self.routes.release(engine_id_)
 
+    def preset_of(self, engine_id_: str) -> Preset | None:
+        """The preset of the version a request leased (``acquire``); None: it has none."""
+        return self.routes.preset_of(engine_id_)
+
+    def model_preset(self, public: str) -> dict[str, Any] | None:
+        """The preset of the version serving ``public`` now, as JSON (``/v1/models/{id}``)."""
+        engine_id_ = self.routes.get(public)
+        preset = self.routes.preset_of(engine_id_) if engine_id_ is not None else None
+        return preset.to_dict() if preset else None
+
     @property
     def all_loaded(self) -> bool:
         # The base model itself needs no loading.
@@ -214,7 +236,10 @@ class AdapterManager:
                 if eid not in versions.loaded:
                     stored = await versions.verified(entry.active)
                     await versions.load_at_boot(eid, stored.path)
-                self.routes.route(entry.name, eid)
+                    preset = stored.preset
+                else:  # the engine kept it: its preset as stored (checked when it loaded)
+                    preset = self._stored_preset(entry.active)
+                self.routes.route(entry.name, eid, preset)
                 self.failures.pop(entry.name, None)
             except (AdapterError, EngineRefused, EngineUnavailable) as exc:
                 self.failures[entry.name] = redact_urls(str(exc))
@@ -261,21 +286,27 @@ class AdapterManager:
         follow: bool = False,
         *,
         digest: str | None = None,
+        preset: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Add or update ``name`` from ``source``; returns once the new version serves.
 
         ``digest``: a prefix of the sha256 the version must have (a pin), checked before swap.
+        ``preset``: the version's preset (``{}``: none); None: the source's ``loragate.json``'s.
         """
         self._check_name(name)
+        checked = self._checked_preset(preset)
         with self.progress.track(name, redact_urls(source), redact=redact_urls):
             async with self._locks[name]:
                 try:
-                    prepared = await self._prepare(source, revision)
+                    if checked is None:
+                        prepared = await self._prepare(source, revision)
+                    else:
+                        prepared = await self._prepare(source, revision, checked)
                     _check_pin(prepared, digest)
                 except AdapterError:
                     self.counters["load_failures"] += 1
                     raise
-                await self._activate(name, prepared, follow=follow)
+                await self._activate(name, prepared, follow=follow, preset=preset)
         self.follower.sync()
         return self.describe(name)
 
@@ -295,7 +326,10 @@ class AdapterManager:
             # active version's); hashed just now, so it loads without hashing again.
             provenance = stored.provenance or Provenance(entry.provenance.source)
             prepared = PreparedVersion(stored, provenance, verified=True)
-            await self._activate(name, prepared, follow=entry.follow)
+            preset = stored.preset
+            await self._activate(
+                name, prepared, follow=entry.follow, preset=preset.to_dict() if preset else None
+            )
             return self.describe(name)
 
     async def remove(self, name: str) -> None:
@@ -326,6 +360,7 @@ class AdapterManager:
             return _unreadable_entry(name, self.failures.get(name))
         entry = self.manifest.entries[name]
         stored = self.store.get(entry.active)
+        preset = self._stored_preset(entry.active)
         eid = engine_id(name, entry.active)
         if name in self.failures:
             state = "failed"
@@ -342,6 +377,7 @@ class AdapterManager:
             "follow": entry.follow,
             "rank": stored.meta.get("rank") if stored else None,
             "size_bytes": stored.size if stored else None,
+            "preset": preset.to_dict() if preset else None,
             "state": state,
             "error": self.failures.get(name),
             "follow_error": self.follower.error(name),
@@ -380,7 +416,29 @@ class AdapterManager:
             log.error("could not save the adapter manifest %s: %s", self.manifest.path, exc)
             raise disk_error(exc, f"saving the adapter manifest for {name!r}") from None
 
-    async def _activate(self, name: str, prepared: PreparedVersion, follow: bool) -> None:
+    def _stored_preset(self, digest: str) -> Preset | None:
+        kept = self.store.get(digest)
+        try:
+            return kept.preset if kept is not None else None
+        except PresetError:
+            return None
+
+    def _checked_preset(self, preset: dict[str, Any] | None) -> Preset | None:
+        """``preset`` checked against the parameter rules, before anything is fetched."""
+        if preset is None:
+            return None
+        try:
+            return Preset.from_dict(preset, self.preset_rules)
+        except PresetError as exc:
+            raise AdapterError(str(exc), code="invalid_preset") from None
+
+    async def _activate(
+        self,
+        name: str,
+        prepared: PreparedVersion,
+        follow: bool,
+        preset: dict[str, Any] | None = None,
+    ) -> None:
         """Load ``prepared`` under its own engine id, flip the route, retire the old version."""
         digest = prepared.stored.digest
         eid = engine_id(name, digest)
@@ -400,6 +458,7 @@ class AdapterManager:
             previous=previous_digest,
             follow=follow,
             loaded_at=time.time(),
+            preset=preset,
         )
         try:
             self._save(name, previous_entry)
@@ -409,7 +468,7 @@ class AdapterManager:
             if newly_loaded and eid not in self.routes.engine_ids():
                 await self.engine_versions.unload_unused(eid)
             raise
-        self.routes.route(name, eid)
+        self.routes.route(name, eid, stored.preset)
         self.failures.pop(name, None)
         if old_eid is not None and old_eid != eid:
             self.counters["swaps"] += 1
@@ -447,6 +506,7 @@ def _unreadable_entry(name: str, error: str | None) -> dict[str, Any]:
         "follow": False,
         "rank": None,
         "size_bytes": None,
+        "preset": None,
         "state": "failed",
         "error": error,
         "follow_error": None,

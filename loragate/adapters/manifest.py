@@ -13,6 +13,7 @@ others from loading; the manager reports it as that adapter's failure.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -39,6 +40,10 @@ class ManifestEntry:
     follow: bool = False
     loaded_at: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # The preset the change gave (the admin API's or a manifest's ``preset``), given again when
+    # the source is followed or repaired; None: the source's own ``loragate.json``, if any.
+    # The active version's preset itself is stored with it (``StoredAdapter.preset``).
+    preset: dict[str, Any] | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The entry as the manifest file holds it: the provenance's keys flat among the rest."""
@@ -50,6 +55,8 @@ class ManifestEntry:
             "follow": self.follow,
             "loaded_at": self.loaded_at,
             "extra": self.extra,
+            # Only when given: an entry without one reads as earlier loragates wrote it.
+            **({"preset": self.preset} if self.preset is not None else {}),
         }
 
     @classmethod
@@ -107,6 +114,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "follow": (lambda v: isinstance(v, bool), "true or false"),
     "loaded_at": (_time_or_none, "a time in seconds or null"),
     "extra": (lambda v: isinstance(v, dict), "an object"),
+    "preset": (lambda v: v is None or isinstance(v, dict), "an object or null"),
 }
 
 
@@ -184,4 +192,7 @@ class Manifest:
 
     def snapshot(self) -> dict[str, ManifestEntry]:
         """A copy of the entries, to compare with later (entries are frozen; ``extra`` is not)."""
-        return {name: replace(e, extra=dict(e.extra)) for name, e in self.entries.items()}
+        return {
+            name: replace(e, extra=dict(e.extra), preset=copy.deepcopy(e.preset))
+            for name, e in self.entries.items()
+        }

@@ -3,12 +3,19 @@
 A request leases the engine id its public name maps to when it starts and keeps it until it
 ends, so a swap never moves a request between versions. A retired version is unloaded from
 the engine once its last lease is returned.
+
+Each engine id's preset (``preset_of``) is kept here too, beside the route that made it
+current: it belongs to the version, so a request gets the preset of the version it leased,
+whatever swap or rollback happens while it runs, and it is forgotten only when the version
+leaves the engine (``forget``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+
+from loragate.adapters.preset import Preset
 
 
 class RoutingTable:
@@ -17,11 +24,23 @@ class RoutingTable:
         self._names: tuple[str, ...] | None = None  # public_names(), until a route changes
         self._inflight: defaultdict[str, int] = defaultdict(int)
         self._drained: dict[str, asyncio.Event] = {}
+        self._presets: dict[str, Preset] = {}
 
-    def route(self, public: str, engine_id: str) -> None:
+    def route(self, public: str, engine_id: str, preset: Preset | None = None) -> None:
         if public not in self._routes:
             self._names = None
+        if preset:
+            self._presets[engine_id] = preset
         self._routes[public] = engine_id
+
+    def preset_of(self, engine_id: str) -> Preset | None:
+        """The preset of the version ``engine_id`` (None: it has none)."""
+        return self._presets.get(engine_id)
+
+    def forget(self, engine_id: str) -> None:
+        """``engine_id`` left the engine: its preset goes too (unless routed again)."""
+        if engine_id not in self._routes.values():
+            self._presets.pop(engine_id, None)
 
     def drop(self, public: str) -> str | None:
         self._names = None

@@ -4,8 +4,13 @@ Layout under ``root``::
 
     versions/<sha256>/adapter_config.json
     versions/<sha256>/adapter_model.safetensors
-    versions/<sha256>/.loragate.json      # per-file digests, size, source, timestamps
+    versions/<sha256>/.loragate.json      # per-file digests, size, source, preset, timestamps
     tmp/                                  # work dirs, renamed into versions/ when complete
+
+A version is its weights and its preset (``preset``): the id hashes the file digests and, when
+there is a preset, the preset's digest, so the same weights with another preset are another
+version. Such versions share the weights' files (hard links, read-only): a new preset costs
+no copy of the weights where the file system allows it.
 
 A version appears in ``versions/`` only by an atomic rename of a complete directory, so a
 half-written or interrupted download is never visible. Every load is preceded by ``verify``.
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loragate.adapters.preset import Preset, PresetError, preset_of_record
 from loragate.adapters.provenance import Provenance
 
 log = logging.getLogger("loragate.adapters")
@@ -41,6 +47,8 @@ log = logging.getLogger("loragate.adapters")
 META_FILENAME = ".loragate.json"
 # Only these files make up an adapter as vLLM loads it; anything else in a source dir is ignored.
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# The name a preset's digest joins the file digests under, in a version's id.
+PRESET_KEY = "preset"
 
 
 class StoreError(Exception):
@@ -72,6 +80,18 @@ class StoredAdapter:
         ):
             return None
         return Provenance.from_record(meta)
+
+    @property
+    def weights(self) -> str:
+        """The digest of the weights alone (the version's own when it has no preset)."""
+        value = self.meta.get("weights")
+        return value if isinstance(value, str) else self.digest
+
+    @property
+    def preset(self) -> Preset | None:
+        """The preset stored with this version; None for none. ``PresetError`` when its
+        record does not hold one (``verify`` reports that as tampering)."""
+        return preset_of_record(self.meta.get(PRESET_KEY))
 
     @property
     def last_used(self) -> float:
@@ -106,6 +126,14 @@ def content_digest(file_digests: dict[str, str]) -> str:
     for name in sorted(file_digests):
         digest.update(name.encode() + b"\0" + file_digests[name].encode() + b"\n")
     return digest.hexdigest()
+
+
+def version_digest(file_digests: dict[str, str], preset: Preset | None) -> str:
+    """A version's id: its files' ``content_digest``, the preset's digest among them if any
+    (an empty preset is none: the weights' own id)."""
+    if not preset:
+        return content_digest(file_digests)
+    return content_digest({**file_digests, PRESET_KEY: preset.digest})
 
 
 class AdapterStore:
@@ -143,13 +171,17 @@ class AdapterStore:
         """A fresh private directory inside the store's file system, for downloads and conversion."""
         return Path(tempfile.mkdtemp(prefix="work-", dir=self.tmp))
 
-    def put_dir(self, peft_dir: Path, meta: dict[str, Any] | None = None) -> StoredAdapter:
-        """Store the PEFT adapter in ``peft_dir`` (idempotent); returns the stored version."""
+    def put_dir(
+        self, peft_dir: Path, meta: dict[str, Any] | None = None, preset: Preset | None = None
+    ) -> StoredAdapter:
+        """Store the PEFT adapter in ``peft_dir`` with ``preset`` (idempotent); returns the
+        stored version."""
         missing = [name for name in ADAPTER_FILES if not (peft_dir / name).is_file()]
         if missing:
             raise StoreError(f"{peft_dir} is not a PEFT adapter: missing {', '.join(missing)}")
         digests = {name: file_digest(peft_dir / name) for name in ADAPTER_FILES}
-        digest = content_digest(digests)
+        digest = version_digest(digests, preset)
+        weights = content_digest(digests)
         existing = self.get(digest)
         if existing is not None:
             with contextlib.suppress(TamperedAdapterError):
@@ -159,14 +191,13 @@ class AdapterStore:
         # Absent, or damaged (files or metadata): a good copy is staged and takes its place.
         staging = Path(tempfile.mkdtemp(prefix="put-", dir=self.tmp))
         try:
-            for name in ADAPTER_FILES:
-                shutil.copyfile(peft_dir / name, staging / name)
-            if {n: file_digest(staging / n) for n in ADAPTER_FILES} != digests:
-                raise StoreError(f"{peft_dir} changed while it was being stored; try again")
+            self._stage_files(peft_dir, staging, digests, weights)
             size = sum((staging / name).stat().st_size for name in ADAPTER_FILES)
             record = {
                 **(meta or {}),
                 "files": digests,
+                "weights": weights,
+                PRESET_KEY: preset.to_dict() if preset else None,
                 "size": size,
                 "created_at": time.time(),
                 "last_used": time.time(),
@@ -197,6 +228,37 @@ class AdapterStore:
         stored = self.get(digest)
         assert stored is not None
         return stored
+
+    def _stage_files(
+        self, peft_dir: Path, staging: Path, digests: dict[str, str], weights: str
+    ) -> None:
+        """The adapter's files into ``staging``: hard links to a stored version with the same
+        weights (another preset's) when there is one whose files still hold, else copies."""
+        sibling = self._with_weights(weights)
+        if sibling is not None:
+            try:
+                for name in ADAPTER_FILES:
+                    os.link(sibling / name, staging / name)
+                if {n: file_digest(staging / n) for n in ADAPTER_FILES} == digests:
+                    return
+            except OSError:  # another file system, no hard links: copied below
+                pass
+            for name in ADAPTER_FILES:
+                with contextlib.suppress(FileNotFoundError):
+                    (staging / name).unlink()
+        for name in ADAPTER_FILES:
+            shutil.copyfile(peft_dir / name, staging / name)
+        if {n: file_digest(staging / n) for n in ADAPTER_FILES} != digests:
+            raise StoreError(f"{peft_dir} changed while it was being stored; try again")
+
+    def _with_weights(self, weights: str) -> Path | None:
+        """A stored version's directory holding these weights, if any."""
+        if (self.versions / weights).is_dir():
+            return self.versions / weights
+        for stored in self.all():
+            if stored.weights == weights:
+                return stored.path
+        return None
 
     def get(self, digest: str) -> StoredAdapter | None:
         """The stored version ``digest``; None when absent or damaged (logged once)."""
@@ -247,8 +309,17 @@ class AdapterStore:
                     f"adapter {stored.short}: {name} does not match its recorded sha256 "
                     "(modified on disk); it will not be loaded"
                 )
-        if content_digest(expected) != stored.digest:
+        if version_digest(expected, self.check_preset(stored)) != stored.digest:
             raise TamperedAdapterError(f"adapter {stored.short}: its metadata was modified")
+
+    def check_preset(self, stored: StoredAdapter) -> Preset | None:
+        """``stored``'s preset; ``TamperedAdapterError`` when its record does not hold one."""
+        try:
+            return stored.preset
+        except PresetError as exc:
+            raise TamperedAdapterError(
+                f"adapter {stored.short}: its preset was modified ({exc})"
+            ) from None
 
     def touch(self, stored: StoredAdapter) -> None:
         """Record that ``stored`` was just used (for eviction); never fails the caller."""
@@ -277,7 +348,7 @@ class AdapterStore:
         ]
 
     def total_bytes(self) -> int:
-        return sum(s.size for s in self.all())
+        return _held_bytes(self.all())
 
     def evict(self, keep: Iterable[str]) -> list[str]:
         """Drop damaged versions not in ``keep``, then least-recently-used ones not in ``keep``
@@ -295,15 +366,20 @@ class AdapterStore:
             key=lambda s: s.last_used,
         )
         evicted = []
-        total = self.total_bytes()
+        left = {s.digest: s for s in self.all()}
         for stored in candidates:
-            if total <= self.max_bytes:
+            if _held_bytes(left.values()) <= self.max_bytes:
                 break
             self.remove(stored.digest)
-            total -= stored.size
+            del left[stored.digest]
             evicted.append(stored.digest)
         self.evictions += len(evicted)
         return evicted
+
+
+def _held_bytes(versions: Iterable[StoredAdapter]) -> int:
+    """The bytes ``versions`` hold on disk: weights shared by several presets count once."""
+    return sum({s.weights: s.size for s in versions}.values())
 
 
 def _read_meta(path: Path) -> tuple[dict[str, Any] | None, str]:

@@ -128,6 +128,7 @@ class ServedAdapters(Protocol):
         follow: bool = False,
         *,
         digest: str | None = None,
+        preset: dict[str, Any] | None = None,
     ) -> dict[str, Any]: ...
 
 
@@ -202,7 +203,9 @@ class AdapterFollower:
             return False  # this version already failed; wait for the next one
         log.info("follow: %s changed at %s; updating", name, redact_urls(origin.source))
         try:
-            await self._adapters.put(name, origin.source, origin.revision, follow=True)
+            await self._adapters.put(
+                name, origin.source, origin.revision, follow=True, preset=entry.preset
+            )
         except AdapterError as exc:
             self.skipped[name] = (marker, str(exc))
             log.warning(
@@ -280,7 +283,12 @@ class StoreWatch:
             # nothing. A source that moved on (a new upload, a moved tag) must not go live in
             # its place unasked, whether or not the adapter follows its source.
             await adapters.put(
-                name, origin.source, origin.revision, follow=entry.follow, digest=entry.active
+                name,
+                origin.source,
+                origin.revision,
+                follow=entry.follow,
+                digest=entry.active,
+                preset=entry.preset,
             )
         except AdapterError as exc:
             if exc.code == "digest_mismatch":

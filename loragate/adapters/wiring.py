@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from loragate.adapters.fleet_reconciler import FleetReconciler
-from loragate.adapters.intake.pipeline import AdapterPipeline
+from loragate.adapters.intake.pipeline import AdapterPipeline, sidecar_preset
 from loragate.adapters.intake.source_networks import allow_source_networks
 from loragate.adapters.manager import AdapterManager
 from loragate.adapters.manifest import Manifest
+from loragate.adapters.preset import ParameterRules
 from loragate.adapters.store import AdapterStore, write_atomic
 from loragate.adapters.watch import AdapterFollower, StoreWatch
 from loragate.settings import Settings
@@ -57,6 +58,7 @@ def adapter_manager_for(
     supervisor: EngineSupervisor,
     base_name: str,
     zero_adapter: bool,
+    preset_rules: ParameterRules | None = None,
 ) -> AdapterManager:
     """The manager of ``model_dir``'s adapters: store, manifest and pipeline from ``settings``."""
     # Every source download, follow check and manifest fetch of this process obeys it.
@@ -69,6 +71,7 @@ def adapter_manager_for(
         base_dir=model_dir,
         base_config=base_config,
         max_lora_rank=settings.max_lora_rank,
+        preset_rules=preset_rules,
     )
     manager = AdapterManager(
         store=store,
@@ -81,6 +84,9 @@ def adapter_manager_for(
         zero_adapter_root=adapters_root / "zero" if zero_adapter else None,
         drain_timeout=settings.drain_timeout,
         ready_timeout=settings.queue_deadline,
+        preset_rules=preset_rules,
+        # The base model's own preset: a loragate.json in its directory, as beside an adapter.
+        base_preset=sidecar_preset(model_dir, f"the base model {base_name}", preset_rules),
     )
     # The watchers reach the manager through their protocols only (``watch``): handed it here.
     interval = settings.follow_interval

@@ -49,6 +49,7 @@ class FakeManager:
         follow: bool = False,
         *,
         digest: str | None = None,
+        preset: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         self.puts.append(name)
         if self.source_gone:
@@ -252,6 +253,7 @@ class Followed:
         follow: bool = False,
         *,
         digest: str | None = None,
+        preset: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         self.puts.append(name)
         if self.refuse:

@@ -2,11 +2,16 @@
 
 Runs off the event loop (``asyncio.to_thread``); conversion that needs torch runs in a child
 process, so the gateway process never imports it. Whatever fails leaves nothing in the store.
+
+The version's preset (``preset``) is the one the caller gives (the admin API's or a manifest
+entry's ``preset``), else the ``preset`` of a ``loragate.json`` beside the adapter's files
+(``{"preset": {...}}``), else none; it is checked before anything is stored.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -14,12 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from loragate.adapters.errors import AdapterError, disk_error
+from loragate.adapters.preset import ParameterRules, Preset, PresetError
 from loragate.adapters.progress import report_stage
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore, StoredAdapter, StoreError, tree_digest
 from loragate.logs import redact_urls
 
 log = logging.getLogger("loragate.adapters")
+
+# Beside an adapter's files: what travels with its weights (``{"preset": {...}}``).
+SIDECAR_FILENAME = "loragate.json"
 
 
 @dataclass(frozen=True)
@@ -41,12 +50,20 @@ class AdapterPipeline:
     base_config: dict[str, Any]
     max_lora_rank: int
     progress: bool = False
+    # What checks a preset's defaults and clamps (the gateway's parameter table); None: only
+    # their shape. Set by the backend that owns the table.
+    preset_rules: ParameterRules | None = None
 
-    async def __call__(self, source: str, revision: str | None) -> PreparedVersion:
-        return await asyncio.to_thread(self.prepare, source, revision)
+    async def __call__(
+        self, source: str, revision: str | None, preset: Preset | None = None
+    ) -> PreparedVersion:
+        return await asyncio.to_thread(self.prepare, source, revision, preset)
 
-    def prepare(self, source: str, revision: str | None = None) -> PreparedVersion:
-        """Fetch, convert, validate and store ``source``; every failure is an ``AdapterError``.
+    def prepare(
+        self, source: str, revision: str | None = None, preset: Preset | None = None
+    ) -> PreparedVersion:
+        """Fetch, convert, validate and store ``source`` with ``preset`` (None: its
+        ``loragate.json``'s); every failure is an ``AdapterError``.
 
         The fleet reconciler, boot and the admin API catch only ``AdapterError``: anything
         else (a full disk, a file whose numbers overflow, a bug) would abort a whole
@@ -57,7 +74,7 @@ class AdapterPipeline:
         except OSError as exc:
             raise disk_error(exc, f"preparing the adapter from {source}") from None
         try:
-            return self._prepare_in(work, source, revision)
+            return self._prepare_in(work, source, revision, preset)
         except AdapterError:
             raise
         except OSError as exc:
@@ -72,7 +89,9 @@ class AdapterPipeline:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
-    def _prepare_in(self, work: Path, source: str, revision: str | None) -> PreparedVersion:
+    def _prepare_in(
+        self, work: Path, source: str, revision: str | None, preset: Preset | None
+    ) -> PreparedVersion:
         from loragate.adapters.intake.convert import (
             convert_in_subprocess,
             detect_format,
@@ -95,6 +114,8 @@ class AdapterPipeline:
         except SourceError as exc:
             raise AdapterError(str(exc), code="adapter_source_error") from None
         peft_dir = fetched.path
+        if preset is None:
+            preset = sidecar_preset(fetched.path, f"adapter from {source}", self.preset_rules)
         source_digest: str | None = None
         try:
             fmt = detect_format(fetched.path)
@@ -103,9 +124,15 @@ class AdapterPipeline:
                 # converted before and the result is still in the store.
                 source_digest = tree_digest(fetched.path)
                 known = self.store.converted_from(source_digest)
-                if known is not None:
+                if known is not None and known.preset == (preset or None):
                     self.store.touch(known)
                     return PreparedVersion(known, fetched.provenance, verified=True)
+                if known is not None:  # the same weights under another preset
+                    meta = {key: known.meta.get(key) for key in _FACTS}
+                    stored = self._store(
+                        known.path, {**fetched.provenance.to_record(), **meta}, preset
+                    )
+                    return PreparedVersion(stored, fetched.provenance, verified=True)
                 peft_dir = work / "converted"
                 report_stage("conversion")
                 convert_in_subprocess(fetched.path, peft_dir, self.base_dir)
@@ -125,11 +152,40 @@ class AdapterPipeline:
             "rank": facts.rank,
             "target_modules": sorted(facts.target_modules),
         }
-        report_stage("store")
-        try:
-            stored = self.store.put_dir(peft_dir, meta)
-        except StoreError as exc:
-            raise AdapterError(str(exc), code="adapter_store_error") from None
+        stored = self._store(peft_dir, meta, preset)
         if source_digest is not None:
             self.store.remember_conversion(source_digest, stored)
         return PreparedVersion(stored, fetched.provenance, verified=True)
+
+    def _store(self, peft_dir: Path, meta: dict[str, Any], preset: Preset | None) -> StoredAdapter:
+        report_stage("store")
+        try:
+            return self.store.put_dir(peft_dir, meta, preset)
+        except StoreError as exc:
+            raise AdapterError(str(exc), code="adapter_store_error") from None
+
+
+def sidecar_preset(directory: Path, what: str, rules: ParameterRules | None) -> Preset | None:
+    """The preset of the ``loragate.json`` in ``directory`` (an adapter's files, or a base
+    model's); None without one. ``AdapterError`` (400) naming ``what`` when it does not hold."""
+    path = directory / SIDECAR_FILENAME
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as exc:
+        raise AdapterError(
+            f"{what}: {SIDECAR_FILENAME} is not valid JSON: {exc}", code="invalid_preset"
+        ) from None
+    if not isinstance(record, dict) or set(record) - {"preset"}:
+        raise AdapterError(
+            f'{what}: {SIDECAR_FILENAME} must be {{"preset": {{...}}}}', code="invalid_preset"
+        )
+    try:
+        return Preset.from_dict(record.get("preset") or {}, rules) or None
+    except PresetError as exc:
+        raise AdapterError(f"{what}: {SIDECAR_FILENAME}: {exc}", code="invalid_preset") from None
+
+
+# What validation found out about the weights, kept with every version of them.
+_FACTS = ("format", "rank", "target_modules")
