@@ -31,6 +31,14 @@ class CatalogModel(BaseModel):
             "names one is loaded on its first request."
         ),
     )
+    resolvers: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Where else an unregistered adapter name is looked for, in order, after adapter_dir: "
+            "an hf://ORG/ prefix (the name is a repo of ORG) or an http(s) URL template with "
+            "{name} (e.g. https://host/adapters/{name}.tar.gz). Nothing else is fetched."
+        ),
+    )
     ttl: float | None = Field(
         default=None, gt=0, description="Seconds idle after which the engine is unloaded."
     )
@@ -48,10 +56,23 @@ class CatalogModel(BaseModel):
         default_factory=list, description="Engine flags for this model, after the gateway's own."
     )
 
-    @field_validator("lora", "engine_args", mode="before")
+    @field_validator("lora", "engine_args", "resolvers", mode="before")
     @classmethod
     def _one_string_is_a_list(cls, value: object) -> object:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("resolvers")
+    @classmethod
+    def _resolvers_are_places(cls, value: list[str]) -> list[str]:
+        for place in value:
+            hub = place.startswith("hf://") and place.endswith("/") and place.count("/") == 3
+            url = place.startswith(("http://", "https://")) and "{name}" in place
+            if not (hub or url):
+                raise ValueError(
+                    f"resolver {place!r}: give an hf://ORG/ prefix or an http(s) URL template "
+                    "with {name}"
+                )
+        return value
 
 
 class CatalogFields(BaseModel):

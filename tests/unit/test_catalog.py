@@ -348,3 +348,63 @@ def test_sleep_mode_unloads_by_sleeping_and_loads_by_waking_the_same_engine(
         assert b"--enable-sleep-mode" in argv
         unloaded = httpx.post(f"{url}/admin/models/beta/unload", headers=ADMIN, timeout=60)
         assert unloaded.json()["residency"] == "cold"  # by hand: stopped, not asleep
+
+
+def test_a_url_template_resolver_fetches_only_there_and_a_miss_is_not_asked_again(
+    tmp_path: Path, demo_dir: Path
+) -> None:
+    """``resolvers: [URL with {name}]``: an unregistered name is fetched from the template's
+    URL (a real local HTTP server holding an archive of a demo adapter), converted, validated,
+    stored and served; a name the server lacks is a 404 naming the valid ids, and asking again
+    soon sends nothing."""
+    import http.server
+    import tarfile
+    import threading
+
+    archive = tmp_path / "served" / "lynx.tar.gz"
+    archive.parent.mkdir()
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(demo_adapter_dir(demo_dir, "fox"), arcname="lynx")
+    asked: list[str] = []
+
+    class Adapters(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, directory=str(archive.parent), **kwargs)
+
+        def log_message(self, *args: Any) -> None:
+            asked.append(self.path)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Adapters)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    template = f"http://127.0.0.1:{server.server_address[1]}/{{name}}.tar.gz"
+    base = str(demo_base_dir(demo_dir))
+    settings = catalog_settings(
+        tmp_path,
+        demo_dir,
+        models={"alpha": {"model": base, "resolvers": [template]}},
+        allowed_source_networks=["127.0.0.1/32"],
+    )
+    try:
+        with serving(create_app(settings)) as url:
+            wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200)
+            answer = chat(url, "lynx")
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == "lynx"
+            assert any(path.startswith("/lynx.tar.gz") for path in asked)
+            assert residency(url)["lynx"] == "resident"
+            missing = chat(url, "no-such-adapter")
+            assert missing.status_code == 404
+            assert "lynx" in missing.json()["error"]["message"]
+            fetched = len(asked)
+            again = chat(url, "no-such-adapter")
+            assert again.status_code == 404 and len(asked) == fetched  # nothing sent
+            assert chat(url, "a/b").status_code == 404 and len(asked) == fetched
+    finally:
+        server.shutdown()
+
+
+def test_resolvers_must_be_hub_prefixes_or_url_templates() -> None:
+    assert Settings(models={"a": {"model": "/m", "resolvers": ["hf://org/"]}}).models
+    for bad in ["hf://org/repo", "https://host/adapters.tar.gz", "file:///x/{name}"]:
+        with pytest.raises(ValueError, match="resolver"):
+            Settings(models={"a": {"model": "/m", "resolvers": [bad]}})

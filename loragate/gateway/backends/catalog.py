@@ -20,14 +20,16 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from starlette.responses import Response
 
+from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
 from loragate.gateway.backends.base import EngineCall
 from loragate.gateway.backends.supervised import SupervisedEngineBackend
 from loragate.gateway.errors import OpenAIError, model_not_found
+from loragate.logs import redact_urls
 from loragate.settings import Settings
 from loragate.settings.catalog import CatalogModel
 from loragate.supervisor.states import EngineSnapshot, EngineState
@@ -36,10 +38,20 @@ log = logging.getLogger("loragate.gateway")
 
 RESIDENT, LOADING, ASLEEP, COLD, FAILED = "resident", "loading", "asleep", "cold", "failed"
 _TTL_CHECK_SECONDS = 5.0
+# How long a name no resolver had stays a plain 404, without asking the resolvers again.
+_MISSING_FOR_SECONDS = 60.0
 # States of an engine that is up or coming up: a request for it goes straight to it.
 _RUNNING = frozenset(
     {EngineState.STARTING, EngineState.RESTARTING, EngineState.READY, EngineState.UNHEALTHY}
 )
+
+
+def _is_adapter_name(name: str) -> bool:
+    try:
+        validate_adapter_name(name)
+    except InvalidAdapterName:
+        return False
+    return True
 
 
 def model_settings(settings: Settings, model_id: str, entry: CatalogModel) -> Settings:
@@ -134,7 +146,8 @@ class CatalogBackend:
         self.swaps = 0
         self.last_swap: dict[str, Any] | None = None
         self._room = asyncio.Lock()  # one residency change at a time
-        self._resolving: dict[str, asyncio.Task[None]] = {}
+        self._resolving: dict[str, asyncio.Task[CatalogEntry]] = {}
+        self._missing: dict[str, float] = {}  # name -> until when no resolver is asked for it
         self._ttl_task: asyncio.Task[None] | None = None
         self._preloads: set[asyncio.Task[None]] = set()
 
@@ -189,39 +202,58 @@ class CatalogBackend:
         return None
 
     def resolves(self, name: str) -> bool:
-        """Whether an unregistered ``name`` is an adapter folder of a model's ``adapter_dir``."""
-        return self._resolver_of(name) is not None
+        """Whether an unregistered ``name`` may be found in a place the operator configured:
+        an adapter folder of a model's ``adapter_dir``, or any model with ``resolvers`` (tried
+        in order when a request comes; a name none of them had is not tried again for a
+        while)."""
+        if not _is_adapter_name(name) or self._missing.get(name, 0) > time.monotonic():
+            return False
+        return bool(self._places_for(name))
 
-    def _resolver_of(self, name: str) -> tuple[CatalogEntry, Path] | None:
-        if not name or name.startswith(".") or "/" in name or "@" in name:
-            return None
+    def _places_for(self, name: str) -> list[tuple[CatalogEntry, str]]:
+        """Where ``name`` may be, in order: each model's ``adapter_dir`` folder that exists,
+        then each model's resolvers."""
+        folders, remote = [], []
         for entry in self.entries.values():
             folder = entry.spec.adapter_dir
             if folder is not None and (folder.expanduser() / name).is_dir():
-                return entry, folder.expanduser() / name
-        return None
+                folders.append((entry, str(folder.expanduser() / name)))
+            for place in entry.spec.resolvers:
+                source = place + name if place.startswith("hf://") else place
+                remote.append((entry, source.replace("{name}", quote(name, safe=""))))
+        return folders + remote
 
     async def _owner_for(self, name: str) -> CatalogEntry:
         entry = self.owner(name)
         if entry is not None:
             return entry
-        found = self._resolver_of(name)
-        if found is None:
+        if not self.resolves(name):
             raise model_not_found(name, self.model_ids())
-        entry, folder = found
         task = self._resolving.get(name)
-        if task is None:  # one add per name; concurrent requests for it wait on the same one
-            task = asyncio.create_task(self._add_found(entry, name, folder), name=f"resolve-{name}")
+        if task is None:  # one search per name; concurrent requests for it wait on the same one
+            task = asyncio.create_task(self._find(name), name=f"resolve-{name}")
             self._resolving[name] = task
             task.add_done_callback(lambda _: self._resolving.pop(name, None))
-        await asyncio.shield(task)
-        return entry
+        return await asyncio.shield(task)
 
-    async def _add_found(self, entry: CatalogEntry, name: str, folder: Path) -> None:
-        await self.make_resident(entry, f"adapter {name} requested")
-        await entry.backend.wait_until_prepared()
-        log.info("model %s: adapter %s found in %s, adding it", entry.id, name, folder)
-        await entry.backend.put_adapter(name, str(folder))
+    async def _find(self, name: str) -> CatalogEntry:
+        """Add ``name`` from the first place that has it, through the admin API's pipeline."""
+        tried = []
+        for entry, source in self._places_for(name):
+            await self.make_resident(entry, f"adapter {name} requested")
+            await entry.backend.wait_until_prepared()
+            log.info("model %s: looking for adapter %s at %s", entry.id, name, redact_urls(source))
+            try:
+                await entry.backend.put_adapter(name, source)
+            except OpenAIError as exc:
+                tried.append(f"{redact_urls(source)}: {exc.message}")
+                continue
+            return entry
+        self._missing[name] = time.monotonic() + _MISSING_FOR_SECONDS
+        log.info("adapter %s found nowhere: %s", name, "; ".join(tried))
+        missing = model_not_found(name, self.model_ids())
+        missing.message += " Looked for it at: " + "; ".join(tried)
+        raise missing
 
     # ----- residency ----------------------------------------------------------------------
 
