@@ -35,6 +35,8 @@ from loragate.plan.cpu import (
 )
 from loragate.plan.preflight import check_resolved_model, run_preflight
 from loragate.plan.preflight.host import check_port
+from loragate.plan.preflight.machine import visible_gpus
+from loragate.plan.preflight.memory import memory_plan
 from loragate.plan.preflight.problem import PreflightError
 from loragate.plan.tool_parsers import check_tool_parser, tool_engine_args
 from loragate.settings import Settings
@@ -139,6 +141,8 @@ async def plan_engine(settings: Settings, cache_dir: Path) -> EnginePlan:
             plan.memory_bytes = weights_bytes(plan.model_dir) + int(given) + RUNTIME_BYTES
     if plan.cpu_build:
         await asyncio.to_thread(_choose_cpu_lora_ops, settings, plan)
+    else:
+        plan.memory_bytes = await asyncio.to_thread(_gpu_memory_bytes, settings, plan)
     layout = settings.parallel
     if settings.engine_command is None and (layout.spread or layout.backend is not None):
         # The command line's preflight could not see a model it had not downloaded yet.
@@ -205,6 +209,28 @@ async def _choose_model(settings: Settings, cache_dir: Path) -> tuple[EnginePlan
 
     base_config = read_base_config(model_dir)
     return EnginePlan(model_dir, base_config, boot_loras, extra_args), tool_parser
+
+
+def _gpu_memory_bytes(settings: Settings, plan: EnginePlan) -> int | None:
+    """What the engine will hold of its GPUs: with ``--kv-cache-memory-bytes``, the memory
+    plan's need (weights in their served dtype, headroom, that cache) on each GPU it uses;
+    without, vLLM takes its ``--gpu-memory-utilization`` share of each (so a catalog whose
+    models share GPUs must lower it per model)."""
+    needs = memory_plan(
+        plan.model_dir,
+        settings.engine_args,
+        dtype_bytes=dtype_bytes(plan.base_config, settings.engine_args),
+        layout=settings.parallel,
+    )
+    if needs is None:
+        return None
+    if needs.kv_cache_bytes is not None or needs.gpu_memory_utilization is None:
+        return needs.need_per_gpu * needs.split
+    gpus = visible_gpus() or []
+    used = gpus[: needs.split]
+    if not used:
+        return None
+    return int(needs.gpu_memory_utilization * sum(gpu.total_bytes for gpu in used))
 
 
 def _choose_cpu_lora_ops(settings: Settings, plan: EnginePlan) -> None:

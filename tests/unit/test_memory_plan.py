@@ -341,3 +341,49 @@ def test_callers_without_the_engines_flags_keep_the_free_memory_room(tmp_path: P
     assert legacy.room_on(gpu) == gpu.free_bytes
     assert check_gpu_memory(model, 2, [gpu], ParallelLayout()) is None
     assert check_gpu_memory(model, 2, [gpu], ParallelLayout(), engine_args=[]) is not None
+
+
+def test_the_preflight_composition_hands_the_engine_flags_to_the_memory_plan(
+    tmp_path: Path, eight_gb_gpu: list[GpuInfo]
+) -> None:
+    """What `gateway serve -- --quantization fp8` runs before the engine: the whole preflight,
+    the engine's flags included (a bf16 4B on an 8 GB GPU: refused alone, fine with fp8)."""
+    from loragate.plan.preflight import check_resolved_model
+    from loragate.plan.preflight.problem import PreflightError
+
+    model = bf16_4b(tmp_path / "qwen3-4b")
+    check_resolved_model(
+        ParallelLayout(),
+        engine_python="python3",
+        model_dir=model,
+        dtype_bytes=2,
+        cpu_build=False,
+        engine_args=["--quantization", "fp8"],
+    )
+    with pytest.raises(PreflightError) as refused:
+        check_resolved_model(
+            ParallelLayout(), engine_python="python3", model_dir=model, dtype_bytes=2,
+            cpu_build=False, engine_args=[],
+        )  # fmt: skip
+    assert plan_of(model).describe() in str(refused.value)
+
+
+def test_a_catalog_counts_what_vllm_takes_of_the_gpu(
+    tmp_path: Path, eight_gb_gpu: list[GpuInfo]
+) -> None:
+    """A catalog's budget counts each engine's GPU memory: vLLM's --gpu-memory-utilization
+    share of the GPU, or, with --kv-cache-memory-bytes, the plan's need."""
+    from loragate.plan.engine_plan import EnginePlan, _gpu_memory_bytes
+    from loragate.settings import Settings
+
+    model = bf16_4b(tmp_path / "qwen3-4b")
+    plan = EnginePlan(model, json.loads((model / "config.json").read_text()), [], [])
+
+    def held(*engine_args: str) -> int | None:
+        return _gpu_memory_bytes(Settings(model=str(model), engine_args=list(engine_args)), plan)
+
+    total = eight_gb_gpu[0].total_bytes
+    assert held("--quantization", "fp8") == int(0.9 * total)
+    assert held("--quantization", "fp8", "--gpu-memory-utilization", "0.45") == int(0.45 * total)
+    sized = plan_of(model, "--quantization", "fp8", "--kv-cache-memory-bytes", "1g")
+    assert held("--quantization", "fp8", "--kv-cache-memory-bytes", "1g") == sized.need_per_gpu
