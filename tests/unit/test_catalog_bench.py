@@ -57,6 +57,26 @@ def test_the_quick_bench_times_each_boot_mode_on_a_real_gateway_and_concludes(
     assert [line.split()[2].rstrip(":") for line in done.stderr.splitlines()] == list(MODES)
 
 
+def test_with_sleep_mode_the_quick_bench_also_times_the_wake_of_the_model_asleep(
+    demo_dir: Path,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "catalog_bench.py"), "--quick", "--sleep",
+         "--mode", "multiprocess"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    header, _, row = [line for line in done.stdout.splitlines() if "|" in line]
+    assert header.endswith("| asleep model, first token s |")
+    cells = [cell.strip() for cell in row.split("|")[2:-1]]
+    # The wake is no boot: sooner than the cold model's first token, which includes one.
+    assert median_of(cells[4]) < median_of(cells[1])
+    assert "a model asleep answers its first token in" in done.stdout.splitlines()[-1]
+
+
 def median_of(cell: str) -> float:
     """A quick run's cell, ``MEDIAN (EACH)``: one run, so both are the same."""
     found = re.fullmatch(r"([\d.]+) \(([\d.]+)\)", cell)

@@ -12,7 +12,10 @@ own setting, so the catalog's engines boot the way loragate boots them), each ru
   ``beta``'s adapter, sent to the first content event: the wait a client sees for a cold model;
 - **evicting**: the same for ``alpha``'s adapter while ``beta`` is resident: the gateway must
   unload ``beta`` (the cap of one) before it boots ``alpha``; the swap is checked in
-  ``/admin/models``.
+  ``/admin/models``;
+- **waking** (with ``--sleep``, ``sleep: true`` in each entry): the same for ``beta``'s adapter
+  again, ``beta`` asleep since it was evicted: ``alpha`` goes to sleep and ``beta`` wakes,
+  no boot.
 
 The modes take turns run by run, so a busy machine's slow spell falls on each alike. The table
 gives each run's seconds and their median; the last line says what they mean.
@@ -56,11 +59,12 @@ ANSWER_TOKENS = 16
 
 @dataclass
 class Run:
-    """One gateway's three timings, in seconds."""
+    """One gateway's timings, in seconds (``waking`` with sleep mode only)."""
 
     boot: float
     cold: float
     evicting: float
+    waking: float | None = None
 
 
 @dataclass
@@ -79,11 +83,15 @@ class Catalog:
     entries: dict[str, dict[str, Any]]
     request_names: dict[str, str]
     stand_in: bool = False
+    sleep: bool = False
 
     def config(self, cache_dir: Path) -> Path:
         """The config file: the entries, ``alpha`` preloaded, a cap of one resident engine."""
         entries = {model_id: dict(entry) for model_id, entry in self.entries.items()}
         entries[IDS[0]]["preload"] = True
+        if self.sleep:
+            for entry in entries.values():
+                entry["sleep"] = True
         values: dict[str, Any] = {"models": entries, "max_loaded_models": 1}
         if self.stand_in:
             values["engine_command"] = STAND_IN
@@ -167,7 +175,7 @@ def first_token_seconds(url: str, model: str, timeout: float) -> float:
     return first
 
 
-def swaps(process: GatewayProcess) -> dict[str, Any]:
+def catalog_report(process: GatewayProcess) -> dict[str, Any]:
     answer = process.admin("GET", "/admin/models")
     answer.raise_for_status()
     return dict(answer.json())
@@ -198,13 +206,23 @@ def run_once(mode: str, catalog: Catalog, work_dir: Path, timeout: float) -> Run
             raise RuntimeError(f"not cold: {held} still resident after the unload")
         cold = first_token_seconds(process.url, catalog.request_names[second], timeout)
 
-        before = swaps(process)["swaps"]
+        before = catalog_report(process)["swaps"]
         evicting = first_token_seconds(process.url, catalog.request_names[first], timeout)
-        report = swaps(process)
+        report = catalog_report(process)
         last = report["last_swap"] or {}
         if report["swaps"] != before + 1 or last.get("unloaded") != [second]:
             raise RuntimeError(f"{first}'s request did not evict {second}: {report}")
-        return Run(boot=boot, cold=cold, evicting=evicting)
+        if not catalog.sleep:
+            return Run(boot=boot, cold=cold, evicting=evicting)
+
+        state = residency(process.url)[second]
+        if state != "asleep":
+            raise RuntimeError(f"sleep mode on, but {second} was evicted to {state!r}, not asleep")
+        waking = first_token_seconds(process.url, catalog.request_names[second], timeout)
+        wakes = {model["id"]: model["wakes"] for model in catalog_report(process)["models"]}
+        if wakes[second] != 1:
+            raise RuntimeError(f"{second} answered without waking: {wakes}")
+        return Run(boot=boot, cold=cold, evicting=evicting, waking=waking)
     finally:
         process.stop()
 
@@ -219,9 +237,10 @@ def measure(
                 run = run_once(mode, catalog, Path(work), timeout)
                 results[mode].runs.append(run)
                 if progress:
+                    waking = "" if run.waking is None else f", waking {run.waking:.1f} s"
                     print(
                         f"run {number + 1}/{runs} {mode}: boot {run.boot:.1f} s, cold first "
-                        f"token {run.cold:.1f} s, while evicting {run.evicting:.1f} s",
+                        f"token {run.cold:.1f} s, while evicting {run.evicting:.1f} s{waking}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -235,39 +254,49 @@ def _cell(result: ModeResult, name: str) -> str:
 
 def table(results: list[ModeResult]) -> str:
     """A Markdown table, each cell the median and (each run's seconds)."""
+    waking = all(run.waking is not None for result in results for run in result.runs)
+    head = "| mode | boot s | cold model, first token s | the same while evicting s | eviction adds s |"
     lines = [
-        "| mode | boot s | cold model, first token s | the same while evicting s | eviction adds s |",
-        "| --- | --- | --- | --- | --- |",
+        head + (" asleep model, first token s |" if waking else ""),
+        "| --- " * (6 if waking else 5) + "|",
     ]
     for result in results:
         adds = result.median("evicting") - result.median("cold")
         lines.append(
             f"| {result.mode} | {_cell(result, 'boot')} | {_cell(result, 'cold')} | "
             f"{_cell(result, 'evicting')} | {adds:+.1f} |"
+            + (f" {_cell(result, 'waking')} |" if waking else "")
         )
     return "\n".join(lines)
 
 
 def conclusion(results: list[ModeResult]) -> str:
-    """One line: which mode boots and answers a cold model sooner, and what an eviction adds."""
+    """One line: which mode boots and answers a cold model sooner, what an eviction adds, and
+    (with sleep mode) what a wake takes."""
     adds = ", ".join(
         f"{r.median('evicting') - r.median('cold'):+.1f} s ({r.mode})" for r in results
     )
     if len(results) == 1:
         only = results[0]
-        return (
+        line = (
             f"conclusion: {only.mode} boots in {only.median('boot'):.1f} s and answers a cold "
             f"model's first token in {only.median('cold'):.1f} s; evicting another model first "
             f"adds {adds}"
         )
-    fast = min(results, key=lambda r: r.median("cold"))
-    slow = max(results, key=lambda r: r.median("cold"))
-    return (
-        f"conclusion: {fast.mode} answers a cold model {slow.median('cold') - fast.median('cold'):.1f} s "
-        f"sooner ({fast.median('cold'):.1f} vs {slow.median('cold'):.1f} s; boot "
-        f"{fast.median('boot'):.1f} vs {slow.median('boot'):.1f} s); evicting another model "
-        f"first adds {adds}"
-    )
+    else:
+        fast = min(results, key=lambda r: r.median("cold"))
+        slow = max(results, key=lambda r: r.median("cold"))
+        line = (
+            f"conclusion: {fast.mode} answers a cold model "
+            f"{slow.median('cold') - fast.median('cold'):.1f} s sooner "
+            f"({fast.median('cold'):.1f} vs {slow.median('cold'):.1f} s; boot "
+            f"{fast.median('boot'):.1f} vs {slow.median('boot'):.1f} s); evicting another model "
+            f"first adds {adds}"
+        )
+    if all(run.waking is not None for result in results for run in result.runs):
+        wakes = ", ".join(f"{r.median('waking'):.1f} s ({r.mode})" for r in results)
+        line += f"; a model asleep answers its first token in {wakes}"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,14 +330,15 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     catalog = models_catalog(args.model) if args.model else demo_catalog(ensure_demo())
     catalog.stand_in = args.quick
-    if args.sleep:
-        for entry in catalog.entries.values():
-            entry["sleep"] = True
+    catalog.sleep = args.sleep
     modes = tuple(args.mode) if args.mode else MODES
     runs = 1 if args.quick else max(args.runs, 1)
     results = measure(modes, runs, catalog, args.timeout)
     engines = "stand-in engines" if args.quick else "real engines"
-    print(f"two models, max_loaded_models 1, {engines}, {runs} run(s) a mode, median (each):")
+    sleep = ", sleep mode on" if args.sleep else ""
+    print(
+        f"two models, max_loaded_models 1{sleep}, {engines}, {runs} run(s) a mode, median (each):"
+    )
     print(table(results))
     print(conclusion(results))
     return 0
