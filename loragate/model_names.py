@@ -30,3 +30,14 @@ def gguf_served_name(source: str) -> str:
     """
     name = PurePosixPath(source.rstrip("/")).name
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+def local_dir_served_name(model: str) -> str | None:
+    """The id a local model directory is served under: its folder name, as the Vi SDK's
+    server names it (``vi/deployment/local/backends/vi_backend.py``: ``available_models``);
+    None when ``model`` is no local directory (a Hugging Face id keeps its whole name)."""
+    try:
+        path = Path(model).expanduser()
+        return path.resolve().name if path.is_dir() else None
+    except (OSError, RuntimeError):  # ~user of an unknown user, unreadable: not a directory
+        return None

@@ -46,7 +46,7 @@ class RecordingBackend:
         return list(self.models)
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        return True, {"status": "ok", "models": self.model_ids()}
+        return True, {"status": "healthy", "models": self.model_ids()}
 
     async def forward(
         self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
@@ -175,7 +175,7 @@ class ManagedBackendDouble(RecordingBackend, SupervisedEngineBackend):
     def health(self) -> tuple[bool, dict[str, Any]]:
         if not self.starts:
             return False, {"status": "starting"}
-        return True, {"status": "ok", "models": self.model_ids()}
+        return True, {"status": "healthy", "models": self.model_ids()}
 
     def require_manager(self) -> Any:
         return self.adapters
@@ -230,7 +230,7 @@ class ProxiedBackend:
         return self.models
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        return True, {"status": "ok"}
+        return True, {"status": "healthy"}
 
     async def forward(
         self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str

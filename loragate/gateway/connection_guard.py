@@ -49,7 +49,7 @@ log = logging.getLogger("loragate.gateway")
 SECURITY_LINES = b"".join(name + b": " + value + b"\r\n" for name, value in SECURITY_HEADERS)
 """The security headers, written out as header lines (for answers written without ASGI)."""
 
-ALWAYS_ANSWERED = frozenset({"/health/live", "/health"})
+ALWAYS_ANSWERED = frozenset({"/health/live", "/health", "/v1/health"})
 """GET routes answered past ``limit_concurrency``: a saturated gateway is alive, and the
 probes (the Kubernetes liveness probe restarts the pod on a 503) must say so."""
 

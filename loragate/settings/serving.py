@@ -12,6 +12,7 @@ from loragate.model_names import (
     SMOLLM_DEMO_MODEL_NAME,
     gguf_served_name,
     is_gguf_source,
+    local_dir_served_name,
 )
 from loragate.settings.serve_option import serve_option
 
@@ -181,4 +182,14 @@ class ServingFields(BaseModel):
             return DEMO_MODEL_NAME if self.demo == "tiny" else SMOLLM_DEMO_MODEL_NAME
         if is_gguf_source(self.model):
             return gguf_served_name(self.model)
-        return self.model
+        return local_dir_served_name(self.model) or self.model
+
+    @property
+    def served_model_aliases(self) -> dict[str, str]:
+        """Other ids requests may name the base model by: a local directory's whole path (as
+        given), served under its folder name, so clients written for the path still work."""
+        served = self.served_model_name
+        if self.model and not self.model_name and self.run_id is None and served != self.model:
+            if local_dir_served_name(self.model) == served:
+                return {self.model: served}
+        return {}

@@ -32,7 +32,7 @@ def test_health_is_503_while_starting_then_200(gateway: GatewayProcess) -> None:
     assert gateway.health_seen[-1] == 200
     code, body = gateway.health()
     assert code == 200
-    assert body["status"] == "ok"
+    assert body["status"] == "healthy"
     assert set(body["models"]) == {BASE, *PHRASES}
 
 

@@ -179,7 +179,7 @@ def test_page_loads_without_console_errors_and_lists_the_demo_adapters(
         page, lambda: page.find_element(By.ID, "engine-state").text == "ready", "the engine ready"
     )
     assert page.find_element(By.ID, "engine-pid").text == str(served.engine_info()["pid"])
-    assert page.find_element(By.ID, "health").text == "ok"
+    assert page.find_element(By.ID, "health").text == "healthy"
     logs = page.find_element(By.ID, "log-lines")
     wait_until(
         page, lambda: "[engine]" in logs.text and "[gateway]" in logs.text, "both logs in the tail"
@@ -287,7 +287,7 @@ def test_killing_the_engine_shows_the_state_change_and_recovery_without_a_reload
         page,
         lambda: (
             page.find_element(By.ID, "engine-state").text == "ready"
-            and page.find_element(By.ID, "health").text == "ok"
+            and page.find_element(By.ID, "health").text == "healthy"
         ),
         "the engine ready again",
         900,  # a reboot; minutes on a busy box

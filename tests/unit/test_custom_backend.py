@@ -237,7 +237,7 @@ def test_models_and_health_come_from_the_backend(plain: Served) -> None:
     assert health.status_code == 200
     body = health.json()
     assert body.pop("uptime_s") >= 0  # the gateway's own, beside what the backend says
-    assert body == {"status": "ok", "models": ["echo-base", "echo-lora"]}
+    assert body == {"status": "healthy", "models": ["echo-base", "echo-lora"]}
 
 
 def test_openai_request_gets_a_chat_completion_with_usage(plain: Served) -> None:

@@ -99,7 +99,7 @@ async def test_models_come_from_the_upstream_base_first(tmp_path: Path, fake_ups
     upstream = backend(tmp_path, fake_upstream, upstream_api_key="sk-up")
     await upstream.refresh()
     assert upstream.model_ids() == ["org/base-7b", "lora-a"]
-    assert upstream.health() == (True, {"status": "ok", "models": ["org/base-7b", "lora-a"]})
+    assert upstream.health() == (True, {"status": "healthy", "models": ["org/base-7b", "lora-a"]})
     asked = {path: headers.get("Authorization") for path, headers, _ in FakeUpstream.received}
     assert asked == {"/v1/models": "Bearer sk-up", "/health": "Bearer sk-up"}
     await upstream.stop()

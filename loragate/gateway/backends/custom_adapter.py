@@ -26,6 +26,8 @@ from loragate.gateway.backends.custom_parameters import (
     cut_at_stop,
     generation_config_of,
     stop_strings,
+    vi_generation_config,
+    vi_response_model,
 )
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.requests.chat import ChatRequest
@@ -113,7 +115,7 @@ class _Call:
 
     vi: ViRequest | None
     messages: list[dict[str, Any]]
-    response_format: dict[str, Any] | None
+    response_format: Any  # OpenAI's object; a Pydantic model class for a Vi SDK backend
     generation_config: dict[str, Any]
     kwargs: dict[str, Any]
     n: int
@@ -136,6 +138,9 @@ class InferenceBackendAdapter:
     def model_ids(self) -> list[str]:
         return list(self.backend.available_models())
 
+    def _count_tokens(self, text: str) -> int:
+        return self.backend.count_tokens(text)
+
     def health(self) -> tuple[bool, dict[str, Any]]:
         try:
             models = self.model_ids()
@@ -146,7 +151,7 @@ class InferenceBackendAdapter:
             }
         if not models:
             return False, {"status": "starting", "reason": "the backend lists no models yet"}
-        return True, {"status": "ok", "models": models}
+        return True, {"status": "healthy", "models": models}
 
     async def forward(
         self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
@@ -233,27 +238,46 @@ class InferenceBackendAdapter:
             include_usage=include_usage,
         )
 
-    async def _generate(self, call: _Call) -> GenerationResult:
-        answer: Awaitable[GenerationResult | str]
+    def _answer(self, call: _Call) -> Awaitable[Any]:
+        """The backend's whole answer to ``call`` (its Vi entry point for a Vi request)."""
         if call.vi is not None:
-            answer = self.backend.generate_vi_format(
+            return self.backend.generate_vi_format(
                 call.vi.source,
                 call.vi.user_prompt,
                 call.response_format,
                 dict(call.generation_config),
                 **call.kwargs,
             )
-        else:
-            answer = self.backend.generate(
-                call.messages, call.response_format, dict(call.generation_config), **call.kwargs
+        return self.backend.generate(
+            call.messages, call.response_format, dict(call.generation_config), **call.kwargs
+        )
+
+    def _answer_stream(self, call: _Call) -> AsyncIterator[Any]:
+        """The backend's streamed answer to ``call`` (its Vi entry point for a Vi request)."""
+        if call.vi is not None:
+            return self.backend.generate_stream_vi_format(
+                call.vi.source,
+                call.vi.user_prompt,
+                call.response_format,
+                dict(call.generation_config),
+                **call.kwargs,
             )
-        result = await answer
+        return self.backend.generate_stream(
+            call.messages, call.response_format, dict(call.generation_config), **call.kwargs
+        )
+
+    async def _generate(self, call: _Call) -> GenerationResult:
+        result = await self._answer(call)
         if isinstance(result, str):
             result = GenerationResult(result)
+        elif not isinstance(result, GenerationResult):  # the Vi SDK's own GenerationResult
+            result = GenerationResult(
+                result.text, result.prompt_tokens, result.completion_tokens, result.finish_reason
+            )
         if not result.prompt_tokens:
-            result.prompt_tokens = self.backend.count_tokens(_prompt_text(call.messages))
+            result.prompt_tokens = self._count_tokens(_prompt_text(call.messages))
         if not result.completion_tokens:
-            result.completion_tokens = self.backend.count_tokens(result.text)
+            result.completion_tokens = self._count_tokens(result.text)
         result.text, stopped = cut_at_stop(result.text, call.stops)
         if stopped:
             result.finish_reason = "stop"
@@ -261,18 +285,7 @@ class InferenceBackendAdapter:
 
     async def _pieces(self, call: _Call) -> AsyncGenerator[str, None]:
         """The backend's stream for one choice: strings only, None skipped."""
-        if call.vi is not None:
-            pieces = self.backend.generate_stream_vi_format(
-                call.vi.source,
-                call.vi.user_prompt,
-                call.response_format,
-                dict(call.generation_config),
-                **call.kwargs,
-            )
-        else:
-            pieces = self.backend.generate_stream(
-                call.messages, call.response_format, dict(call.generation_config), **call.kwargs
-            )
+        pieces = self._answer_stream(call)
         try:
             async for piece in pieces:
                 if piece is None:
@@ -290,7 +303,7 @@ class InferenceBackendAdapter:
         first_pieces: AsyncGenerator[str, None],
         first: str | None,
     ) -> AsyncIterator[bytes]:
-        prompt_tokens = self.backend.count_tokens(_prompt_text(call.messages))
+        prompt_tokens = self._count_tokens(_prompt_text(call.messages))
         completion_tokens = 0
         try:
             for index in range(call.n):
@@ -329,10 +342,103 @@ async def _peeked(first: str | None, rest: AsyncGenerator[str, None]) -> AsyncGe
         await rest.aclose()
 
 
+VI_BACKEND_METHODS = (
+    "available_models",
+    "generate",
+    "generate_stream",
+    "generate_vi_format",
+    "generate_stream_vi_format",
+)
+"""The abstract methods of the Vi SDK's ``InferenceBackend``
+(``vi/deployment/local/backends/base.py``): a backend with all five is served as the Vi
+SDK's server serves it, whatever its base class."""
+
+
+class ViBackendAdapter(InferenceBackendAdapter):
+    """Serves a backend written for the Vi SDK's own server (an instance of the Vi SDK's
+    ``InferenceBackend``, or anything with its five methods) as it is, handing it what that
+    server hands it (``vi/deployment/local/server.py``: ``chat_completions`` and
+    ``stream_completion``): keyword arguments ``messages`` (role and content) or ``source``
+    and ``user_prompt``, ``response_format`` as a Pydantic model class and
+    ``generation_config`` built from the request as sent, and no other keyword. loragate's
+    optional hooks (``start``, ``stop``, ``count_tokens``) are used where it has them."""
+
+    backend: Any
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    async def start(self) -> None:
+        await _maybe_await(getattr(self.backend, "start", None))
+
+    async def stop(self) -> None:
+        await _maybe_await(getattr(self.backend, "stop", None))
+
+    def _count_tokens(self, text: str) -> int:
+        count = getattr(self.backend, "count_tokens", None)
+        return int(count(text)) if callable(count) else len(text.split())
+
+    def _call(self, payload: dict[str, Any], public_model: str) -> _Call:
+        call = super()._call(payload, public_model)
+        if "system_prompt" in call.kwargs:
+            raise OpenAIError(
+                400,
+                "This backend is written for the Vi SDK's server, whose generate_vi_format "
+                "takes no 'system_prompt'; send 'messages' with a system message instead.",
+                param="system_prompt",
+                code="not_supported",
+            )
+        call.kwargs = {}
+        call.generation_config = vi_generation_config(getattr(payload, "sent", payload))
+        call.response_format = vi_response_model(call.response_format)
+        call.messages = [{"role": m["role"], "content": m.get("content")} for m in call.messages]
+        return call
+
+    def _answer(self, call: _Call) -> Awaitable[Any]:
+        if call.vi is not None:
+            return self.backend.generate_vi_format(
+                source=call.vi.source,
+                user_prompt=call.vi.user_prompt,
+                response_format=call.response_format,
+                generation_config=dict(call.generation_config),
+            )
+        return self.backend.generate(
+            messages=call.messages,
+            response_format=call.response_format,
+            generation_config=dict(call.generation_config),
+        )
+
+    def _answer_stream(self, call: _Call) -> AsyncIterator[Any]:
+        if call.vi is not None:
+            return self.backend.generate_stream_vi_format(
+                source=call.vi.source,
+                user_prompt=call.vi.user_prompt,
+                response_format=call.response_format,
+                generation_config=dict(call.generation_config),
+            )
+        return self.backend.generate_stream(
+            messages=call.messages,
+            response_format=call.response_format,
+            generation_config=dict(call.generation_config),
+        )
+
+
+async def _maybe_await(hook: Any) -> None:
+    if callable(hook):
+        result = hook()
+        if inspect.isawaitable(result):
+            await result
+
+
 def as_gateway_backend(backend: object) -> GatewayBackend:
-    """``backend`` as the routes need it: an ``InferenceBackend`` is wrapped, a ``GatewayBackend`` kept."""
+    """``backend`` as the routes need it: an ``InferenceBackend`` (loragate's, or the Vi SDK's
+    by its five methods) is wrapped, a ``GatewayBackend`` kept."""
     if isinstance(backend, InferenceBackend):
         return InferenceBackendAdapter(backend)
+    if not inspect.isclass(backend) and all(
+        callable(getattr(backend, name, None)) for name in VI_BACKEND_METHODS
+    ):
+        return ViBackendAdapter(backend)
     needed = ("start", "stop", "model_ids", "health", "forward")
     if all(callable(getattr(backend, name, None)) for name in needed):
         return backend  # type: ignore[return-value]
@@ -340,5 +446,6 @@ def as_gateway_backend(backend: object) -> GatewayBackend:
         raise TypeError(f"pass an instance of {backend.__name__}, not the class")
     raise TypeError(
         f"{type(backend).__name__} is not an InferenceBackend: subclass loragate.InferenceBackend "
-        "and implement available_models(), generate() and generate_stream()"
+        "and implement available_models(), generate() and generate_stream(), or pass a Vi SDK "
+        "backend (the five methods of vi.deployment.local.backends.InferenceBackend)"
     )

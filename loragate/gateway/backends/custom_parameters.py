@@ -1,10 +1,13 @@
 """What a custom backend's OpenAI parameters mean: ``generation_config`` under the Hugging Face
 names the Vi SDK passes, and ``stop`` strings, which cut the output whatever the backend does
-with them."""
+with them; for a backend written for the Vi SDK's own server, ``generation_config`` and
+``response_format`` exactly as that server builds them."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from pydantic import BaseModel, create_model
 
 from loragate.gateway.errors import OpenAIError
 
@@ -82,3 +85,105 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     """``text`` up to the first stop string, and whether one was found."""
     cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+# ----- a backend written for the Vi SDK's server gets what that server hands it ------------
+
+VI_DEFAULT_TEMPERATURE = 0.7
+"""What the Vi server's request schema defaults ``temperature`` to
+(``vi/deployment/local/schemas.py``: ``ChatCompletionRequest.temperature``)."""
+
+# Top-level request field -> the generation_config key the Vi server puts it under.
+_VI_TO_CONFIG = {
+    "max_tokens": "max_new_tokens",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "repetition_penalty": "repetition_penalty",
+    "stop": "stop",
+    "logit_bias": "logit_bias",
+}
+
+
+def vi_generation_config(sent: dict[str, Any]) -> dict[str, Any]:
+    """The ``generation_config`` the Vi server hands its backend for the body ``sent``, rule for
+    rule as ``vi/deployment/local/utils.py``: ``build_generation_config_from_request`` builds
+    it: the request's own ``generation_config`` as sent, then the top-level fields over it
+    (``temperature`` 0.7 when absent, with ``do_sample``), and OpenAI's penalties folded into
+    ``repetition_penalty`` when it is not set."""
+    config: dict[str, Any] = dict(sent.get("generation_config") or {})
+    temperature = sent.get("temperature")
+    temperature = VI_DEFAULT_TEMPERATURE if temperature is None else float(temperature)
+    config["temperature"] = temperature
+    config["do_sample"] = temperature > 0.0
+    for field, key in _VI_TO_CONFIG.items():
+        if sent.get(field) is not None:
+            config[key] = sent[field]
+    frequency, presence = sent.get("frequency_penalty"), sent.get("presence_penalty")
+    if (frequency is not None or presence is not None) and "repetition_penalty" not in config:
+        combined = 1.0  # summed in the Vi server's order, so the float is the same
+        if frequency is not None:
+            combined += frequency * 0.1
+        if presence is not None:
+            combined += presence * 0.1
+        if combined != 1.0:
+            config["repetition_penalty"] = combined
+    return config
+
+
+def vi_response_model(response_format: dict[str, Any] | None) -> type[BaseModel] | None:
+    """``response_format`` as the Pydantic model class the Vi server hands its backend
+    (``vi/deployment/local/schema_utils.py``: ``convert_response_format_to_pydantic``): only a
+    ``json_schema`` with a schema becomes one (``json_object`` becomes None, as there)."""
+    if not response_format or response_format.get("type") != "json_schema":
+        return None
+    spec = response_format.get("json_schema") or {}
+    schema = spec.get("schema") or {}
+    if not schema:
+        return None
+    return _pydantic_model(schema, spec.get("name", "CustomResponse"), "response_format")
+
+
+def _pydantic_model(schema: dict[str, Any], name: str, where: str) -> type[BaseModel]:
+    # As the Vi server's json_schema_to_pydantic: an object's properties become fields, the
+    # required ones without a default, the others optional with None.
+    if schema.get("type") != "object":
+        raise OpenAIError(
+            400,
+            f"A backend written for the Vi SDK takes an object schema only (the Vi server "
+            f"converts no other), got type {schema.get('type')!r} at {where}.",
+            param="response_format",
+            code="invalid_json_schema",
+        )
+    required = set(schema.get("required", []))
+    fields: dict[str, Any] = {}
+    for field, field_schema in schema.get("properties", {}).items():
+        annotation = _python_type(field_schema, f"{where}.{field}")
+        if field in required:
+            fields[field] = (annotation, ...)
+        elif hasattr(annotation, "__origin__"):
+            fields[field] = (annotation, None)
+        else:
+            fields[field] = (annotation | None, None)
+    return create_model(name, **fields)
+
+
+def _python_type(schema: dict[str, Any], where: str) -> Any:
+    kind = schema.get("type")
+    if kind == "array":
+        items = schema.get("items", {})
+        return list[_python_type(items, where)] if items else list[Any]  # type: ignore[misc]
+    if kind == "object":
+        return _pydantic_model(schema, schema.get("title", "NestedModel"), where)
+    if "enum" in schema:
+        return str
+    return _JSON_TYPES.get(kind, Any)
+
+
+_JSON_TYPES: dict[Any, Any] = {
+    "string": str,
+    "integer": int,
+    "number": float,
+    "boolean": bool,
+    "null": type(None),
+}

@@ -148,7 +148,7 @@ class UpstreamBackend:
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         if self._ready:
-            return True, {"status": "ok", "models": self.model_ids()}
+            return True, {"status": "healthy", "models": self.model_ids()}
         return False, {"status": "starting", "reason": self._reason, "models": self.model_ids()}
 
     async def forward(

@@ -48,12 +48,17 @@ class ChatRequest(dict[str, Any]):
     """An OpenAI chat request body, checked; ``vi`` is the Vi request it came from, if any.
 
     A plain dict to everything that sends it on (``orjson`` writes it as the OpenAI body);
-    backends with a Vi entry point read ``vi``.
+    backends with a Vi entry point read ``vi``; ``sent`` is the body as the client sent it,
+    from which a backend written for the Vi SDK's server gets its ``generation_config`` built
+    as that server builds it (``custom_parameters.vi_generation_config``).
     """
 
-    def __init__(self, body: dict[str, Any], vi: ViRequest | None = None) -> None:
+    def __init__(
+        self, body: dict[str, Any], vi: ViRequest | None = None, sent: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(body)
         self.vi = vi
+        self.sent = sent if sent is not None else body
 
 
 def _bad(message: str, param: str | None = None, code: str = "invalid_request") -> OpenAIError:
@@ -109,7 +114,7 @@ async def normalize_chat_request(payload: dict[str, Any], settings: Settings) ->
     check_response_format(body.get("response_format"))
     check_structured_outputs(body.get("structured_outputs"))
     vi = vi_request(payload, body["messages"]) if has_vi else None
-    return ChatRequest(body, vi)
+    return ChatRequest(body, vi, sent=payload)
 
 
 async def _check_messages(

@@ -1,4 +1,11 @@
-"""Health routes: readiness (engine and adapters) and liveness (this process)."""
+"""Health routes: readiness (engine and adapters) and liveness (this process).
+
+Readiness answers on ``/health`` and, as the Vi SDK's local server does, on ``/v1/health``
+(``vi/deployment/local/server.py``: ``health_check_v1``); ready, its ``status`` is Vi's word,
+``"healthy"``, with the served ``models``. Unlike Vi's server, which answers 200 with
+``"unhealthy"``, a gateway not ready answers 503 (``starting``, ``failed``) so that probes
+and load balancers can read the status code alone.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ router = APIRouter()
 
 
 @router.get("/health")
+@router.get("/v1/health")
 async def health(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     ready, body = gateway.backend.health()

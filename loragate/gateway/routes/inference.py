@@ -74,6 +74,8 @@ def target_model(gateway: Gateway, payload: dict[str, Any]) -> str:
         return valid[0]
     if not isinstance(model, str):
         raise OpenAIError(400, "'model' must be a string", param="model", code="invalid_type")
+    if model not in valid:  # the base model's other names (a local directory's whole path)
+        model = gateway.settings.served_model_aliases.get(model, model)
     if model not in valid and not _resolvable(gateway, model):
         raise model_not_found(model, valid)
     return model
