@@ -41,6 +41,10 @@ export function duration(seconds) {
   return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
 }
 
+export function clock(epochSeconds) {
+  return epochSeconds ? new Date(epochSeconds * 1000).toLocaleTimeString() : "–";
+}
+
 export function ago(epochSeconds) {
   if (!epochSeconds) return "–";
   return `${duration(Date.now() / 1000 - epochSeconds)} ago`;

@@ -5,8 +5,9 @@
 import { adminKey, adoptTokenFromAddress, call, setAdminKey } from "./api.js";
 import { drawTraffic } from "./chart.js";
 import { ChatBox } from "./chat.js";
-import { ago, bytes, duration, el, setMessage, setText, short } from "./dom.js";
+import { ago, bytes, clock, duration, el, setMessage, setText, short } from "./dom.js";
 import { LogTail } from "./logs.js";
+import { isCatalog, renderModels } from "./models.js";
 
 const STAGES = ["download", "conversion", "validation", "store", "load"];
 const page = { admin: false, adding: new Set(), busy: new Set(), confirmRemove: null };
@@ -42,7 +43,8 @@ function renderEngine(info, health) {
     // Only what /health says publicly: this view needs no key.
     add("state", health.status, `state-${health.status}`);
     add("reason", health.reason || "");
-    if (health.models && health.models.length) add("model", health.models[0]);
+    // A catalog's models are in their own table (health.models[0] is just the first).
+    if (health.models && health.models.length && !health.catalog) add("model", health.models[0]);
     if (health.engine_uptime_s !== undefined) {
       add("uptime", health.engine_uptime_s === null ? "–" : duration(health.engine_uptime_s));
     }
@@ -99,10 +101,6 @@ function actionButtons(adapter) {
     },
   });
   return el("td", { className: "admin-only" }, swap, rollback, remove);
-}
-
-function clock(epochSeconds) {
-  return epochSeconds ? new Date(epochSeconds * 1000).toLocaleTimeString() : "–";
 }
 
 let drawnAdapters = "";
@@ -268,12 +266,16 @@ async function refreshOnce() {
   ]);
   renderHealth(health);
   renderTraffic(traffic);
-  if (!models.error && models.data) chat.setModels(models.data.data.map((m) => m.id));
+  const listed = !models.error && models.data ? models.data.data : [];
+  if (!models.error && models.data) chat.setModels(listed.map((m) => m.id));
   else setMessage("chat-message", models.error, true);
   let engine = null;
+  let catalog = null;
   if (adminKey()) {
-    const [engineInfo, adapters, activity] = await Promise.all([
+    const catalogShown = Boolean(health.data && health.data.catalog);
+    const [engineInfo, adapters, activity, catalogReport] = await Promise.all([
       call("GET", "admin/engine"), call("GET", "admin/adapters"), call("GET", "admin/activity"),
+      catalogShown ? call("GET", "admin/models") : Promise.resolve(null),
     ]);
     if (adapters.status === 401 || adapters.status === 403) {
       setAdmin(false, `Read-only: the key given was refused (${adapters.error}).`);
@@ -285,16 +287,22 @@ async function refreshOnce() {
       } else if (adapters.error) {
         setMessage("adapter-message", adapters.error, true);
       }
-      if (!engineInfo.error) engine = engineInfo.data;
+      // A catalog's /admin/engine holds one engine per model: the models table shows them.
+      if (!engineInfo.error && !catalogShown) engine = engineInfo.data;
+      if (catalogReport && !catalogReport.error) catalog = catalogReport.data;
+      else if (catalogReport) setMessage("models-message", catalogReport.error, true);
       renderActivity(activity);
     }
   } else {
     setAdmin(false,
       "Read-only: enter the admin key (--admin-key, or the admin-token file in the gateway's cache dir) to add, swap, roll back or remove adapters, restart the engine and read the logs.");
   }
+  renderModels(health.data, page.admin ? catalog : null, listed, page.admin, refresh);
   if (!page.admin) {
     const names = (health.data && health.data.models) || [];
-    renderAdapters(names.slice(1).map((name) => ({ name, state: "served" })));
+    // Past the base model, or for a catalog every name that is not one of its models.
+    const adapters = isCatalog() ? names.filter((name) => !(name in health.data.catalog)) : names.slice(1);
+    renderAdapters(adapters.map((name) => ({ name, state: "served" })));
     renderAdds([]);
   }
   renderEngine(engine, health.data);
