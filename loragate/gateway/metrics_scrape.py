@@ -41,7 +41,7 @@ from loragate.gateway.backends.base import (
     engine_metrics_of,
     engine_snapshot_of,
 )
-from loragate.gateway.backends.catalog import COLD, FAILED, LOADING, RESIDENT
+from loragate.gateway.backends.catalog import ASLEEP, COLD, FAILED, LOADING, RESIDENT
 from loragate.supervisor.states import EngineSnapshot, EngineState
 
 if TYPE_CHECKING:
@@ -221,7 +221,7 @@ def _engine_families(
     return [state, restarts, queued]
 
 
-RESIDENCIES = (RESIDENT, LOADING, COLD, FAILED)
+RESIDENCIES = (RESIDENT, LOADING, ASLEEP, COLD, FAILED)
 
 
 def catalog_families(report: dict[str, Any]) -> list[Metric]:
@@ -229,7 +229,8 @@ def catalog_families(report: dict[str, Any]) -> list[Metric]:
     by_model = ["model_name"]
     residency = GaugeMetricFamily(
         "loragate_model_residency",
-        "Where a catalog model is: resident, loading, cold or failed (1 for the current one).",
+        "Where a catalog model is: resident, loading, asleep, cold or failed (1 for the current "
+        "one).",
         labels=[*by_model, "residency"],
     )
     families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {

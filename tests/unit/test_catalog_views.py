@@ -41,7 +41,7 @@ def test_metrics_show_every_model_its_residency_memory_use_and_the_swaps(
     samples = parse(scrape.text)  # prometheus_client's parser: a valid exposition
 
     def residency(model: str) -> str:
-        states = ("resident", "loading", "cold", "failed")
+        states = ("resident", "loading", "asleep", "cold", "failed")
         shown = [s for s in states if value(samples, "loragate_model_residency",
                                             model_name=model, residency=s) == 1]  # fmt: skip
         assert len(shown) == 1, shown
