@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -205,7 +204,7 @@ async def test_requests_wait_for_a_restart_and_a_full_queue_is_refused(
 ) -> None:
     running.queue_size = 2
     # A restart slow enough that the queue is still full when the third request comes.
-    running.timings = dataclasses.replace(FAST, restart_backoff=3, restart_backoff_max=3)
+    running.timings = FAST.model_copy(update={"restart_backoff": 3, "restart_backoff_max": 3})
     pid = running.engine_pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)

@@ -48,7 +48,7 @@ def run_preflight(
     gpu_inventory: GpuInventory | None = None,
     numa_nodes: Callable[[], int] | None = None,
     env: Mapping[str, str] | None = None,
-    engine_args: Sequence[str] = (),
+    engine_args: Sequence[str] | None = None,
 ) -> list[PreflightProblem]:
     """Every problem found, in the order worth fixing them; empty when the boot can go ahead.
 
@@ -95,7 +95,7 @@ def check_resolved_model(
     dtype_bytes: int,
     cpu_build: bool,
     gpu_inventory: GpuInventory | None = None,
-    engine_args: Sequence[str] = (),
+    engine_args: Sequence[str] | None = None,
 ) -> None:
     """Raise PreflightError when the model, once resolved, cannot run in ``layout`` here: the
     part of ``run_preflight`` that needs the model, for one that was not on disk when the
@@ -126,7 +126,7 @@ def _model_checks(
     dtype_bytes: int,
     numa_nodes: Callable[[], int] | None = None,
     env: Mapping[str, str] | None = None,
-    engine_args: Sequence[str] = (),
+    engine_args: Sequence[str] | None = None,
 ) -> list[PreflightProblem | None]:
     """The checks that depend on the model and how it is spread: the layout, then memory."""
     problems: list[PreflightProblem | None] = list(
