@@ -80,7 +80,13 @@ class AdapterManagerDouble:
         return [{"name": "pong", "version": "0" * 64, "state": "serving", "source": "/pong"}]
 
     async def put(
-        self, name: str, source: str, revision: str | None = None, follow: bool = False
+        self,
+        name: str,
+        source: str,
+        revision: str | None = None,
+        follow: bool = False,
+        *,
+        preset: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         self.changes.append(("put", name, source))
         return {"name": name, "version": "1" * 64, "state": "serving"}

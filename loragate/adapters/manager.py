@@ -188,9 +188,10 @@ class AdapterManager:
     def release(self, engine_id_: str) -> None:
         self.routes.release(engine_id_)
 
-    def preset_of(self, engine_id_: str) -> Preset | None:
-        """The preset of the version a request leased (``acquire``); None: it has none."""
-        return self.routes.preset_of(engine_id_)
+    def preset_of(self, engine_id_: str | None) -> Preset | None:
+        """The preset of the version a request leased (``acquire``); None: it has none (or
+        the request names no model)."""
+        return self.routes.preset_of(engine_id_) if engine_id_ is not None else None
 
     def model_preset(self, public: str) -> dict[str, Any] | None:
         """The preset of the version serving ``public`` now, as JSON (``/v1/models/{id}``)."""

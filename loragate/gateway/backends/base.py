@@ -43,6 +43,8 @@ class EngineCall:
 
     ``body`` builds the bytes to send given the engine's id for ``public_model`` (None when
     the request names no model), so the backend can pick the adapter version at send time.
+    ``payload``: the JSON body of a generation request (``json_post``), for a backend that
+    shapes it by the version it leased (its preset) before sending it.
     """
 
     method: str
@@ -52,6 +54,7 @@ class EngineCall:
     public_model: str | None
     stream: bool
     request_id: str
+    payload: dict[str, Any] | None = None
 
 
 def json_post(
@@ -66,7 +69,9 @@ def json_post(
         payload["model"] = model_id
         return orjson.dumps(payload)
 
-    return EngineCall("POST", path, body, "application/json", public_model, stream, request_id)
+    return EngineCall(
+        "POST", path, body, "application/json", public_model, stream, request_id, payload
+    )
 
 
 class RelayingBackend(GatewayBackend, Protocol):
@@ -114,9 +119,16 @@ class AdminBackend(Protocol):
         ...
 
     async def put_adapter(
-        self, name: str, source: str, revision: str | None = None, follow: bool = False
+        self,
+        name: str,
+        source: str,
+        revision: str | None = None,
+        follow: bool = False,
+        preset: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Add ``name`` from ``source``, or swap it to a new version; the adapter's record."""
+        """Add ``name`` from ``source``, or swap it to a new version; the adapter's record.
+        ``preset``: the version's preset as the client sent it (``{}``: none; None: the
+        source's own ``loragate.json``); a bad one is the 400 and changes nothing."""
         ...
 
     async def remove_adapter(self, name: str) -> None: ...

@@ -490,11 +490,16 @@ class CatalogBackend:
             entry.backend.admit_adapter_change()
 
     async def put_adapter(
-        self, name: str, source: str, revision: str | None = None, follow: bool = False
+        self,
+        name: str,
+        source: str,
+        revision: str | None = None,
+        follow: bool = False,
+        preset: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         entry = self._adapter_owner(name, adding=True)
         await self.make_resident(entry, f"adapter {name} added by an admin")
-        return await entry.backend.put_adapter(name, source, revision, follow)
+        return await entry.backend.put_adapter(name, source, revision, follow, preset)
 
     async def remove_adapter(self, name: str) -> None:
         await self._adapter_owner(name).backend.remove_adapter(name)

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,8 +30,15 @@ from loragate.gateway import spans
 from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
 from loragate.gateway.errors import OpenAIError, model_not_found
-from loragate.gateway.proxy import ProxyClient, Rename, ResendBudget, UpstreamUnreachable
+from loragate.gateway.proxy import (
+    AnyVersionRename,
+    ProxyClient,
+    Rename,
+    ResendBudget,
+    UpstreamUnreachable,
+)
 from loragate.gateway.requests.images.resolve import ENGINE_MEDIA_ARGS, engine_media_env
+from loragate.gateway.requests.presets import parameter_rules, shaped_body
 from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.plan.engine_plan import plan_engine
 from loragate.plan.preflight.problem import PreflightError
@@ -43,38 +49,6 @@ from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 from loragate.supervisor.process import GatewayLock, tree_rss_bytes
 from loragate.supervisor.states import EngineSnapshot, EngineState
 from loragate.supervisor.systemd import SystemdNotifier, extend_start_while, watchdog_loop
-
-# Engine ids back to public names, in answers whose request named no model.
-#
-# An answer to ``GET /v1/responses/{id}`` carries whatever adapter version served the response
-# (``fox@0123456789ab``), which may since have been swapped out: every version id, current or
-# not, goes back to its public name, and the zero adapter's (base requests on the CPU build)
-# to the base model's.
-_MODEL_FIELD = re.compile(rb'"model":"(([^"\\@]+)@[0-9a-f]{12})"')
-_ANYWHERE = re.compile(rb"(([A-Za-z0-9_][A-Za-z0-9._-]*)@[0-9a-f]{12})\b")
-
-
-class AnyVersionRename(Rename):
-    """Every ``NAME@VERSION`` engine id to ``NAME``; the base's engine id to the base name."""
-
-    __slots__ = ("_base_id",)
-
-    def __init__(self, base_engine_id: str, base_name: str) -> None:
-        super().__init__(base_engine_id.encode(), base_name.encode())
-        self._base_id = base_engine_id.encode()
-
-    def model_field(self, data: bytes) -> bytes:
-        return _MODEL_FIELD.sub(self._field, data)
-
-    def everywhere(self, data: bytes) -> bytes:
-        return _ANYWHERE.sub(self._name, data)
-
-    def _field(self, match: re.Match[bytes]) -> bytes:
-        return b'"model":"' + self._name(match) + b'"'
-
-    def _name(self, match: re.Match[bytes]) -> bytes:
-        return self.public if match.group(1) == self._base_id else match.group(2)
-
 
 log = logging.getLogger("loragate.gateway")
 
@@ -261,6 +235,7 @@ class SupervisedEngineBackend:
             supervisor=self.supervisor,
             base_name=self.base_name,
             zero_adapter=self.zero_adapter,
+            preset_rules=parameter_rules,
         )
         self.fleet = fleet_reconciler_for(settings, self.manager)
         if self.fleet is not None:
@@ -321,6 +296,9 @@ class SupervisedEngineBackend:
         if self.manager is None:
             return [self.base_name]
         return self.manager.public_models()
+
+    def model_preset(self, model: str) -> dict[str, Any] | None:
+        return self.manager.model_preset(model) if self.manager is not None else None
 
     def servable_models(self) -> list[str]:
         """The base, then every adapter it will serve once its engine boots: those routed now
@@ -414,6 +392,7 @@ class SupervisedEngineBackend:
                     engine_id = await self._lease(manager, call.public_model, deadline)
                 rename = Rename.of(engine_id, call.public_model)
                 on_done = functools.partial(self._request_done, manager, engine_id)
+            body = shaped_body(manager.preset_of(engine_id), call, engine_id, on_done)
             headers = {
                 "Authorization": f"Bearer {endpoint.api_key}",
                 "X-Request-Id": call.request_id,
@@ -425,7 +404,7 @@ class SupervisedEngineBackend:
             try:
                 return await self.proxy.forward(
                     endpoint.base_url + call.path,
-                    call.body(engine_id),
+                    body,
                     headers,
                     uds=endpoint.uds,
                     stream=call.stream,
@@ -558,11 +537,16 @@ class SupervisedEngineBackend:
         return {**body, "progress": record.as_dict() if record else None}
 
     async def put_adapter(
-        self, name: str, source: str, revision: str | None = None, follow: bool = False
+        self,
+        name: str,
+        source: str,
+        revision: str | None = None,
+        follow: bool = False,
+        preset: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         manager = self._changeable_manager()
         try:
-            return await manager.put(name, source, revision, follow)
+            return await manager.put(name, source, revision, follow, preset=preset)
         except AdapterError as exc:
             raise _refusal(exc) from None
 

@@ -31,8 +31,8 @@ def _admit_admin(request: Request) -> None:
 
 router = APIRouter(dependencies=[Depends(_admit_admin)])
 
-# Admin bodies are a name and a source: a mebibyte is plenty, and bounds what a client with
-# the key can make the gateway buffer.
+# Admin bodies are a name, a source and a preset: a mebibyte is plenty, and bounds what a
+# client with the key can make the gateway buffer.
 ADMIN_MAX_BODY_BYTES = 1 << 20
 
 
@@ -42,6 +42,12 @@ class AdapterRequest(BaseModel):
     )
     revision: str | None = None
     follow: bool = False
+    preset: dict[str, Any] | None = Field(
+        default=None,
+        description="The version's preset (docs/adapters.md): system_prompt, system_prompt_mode "
+        '("default" | "always"), defaults, clamps, stop, response_format, user_prompt, '
+        "chat_template, renderer. {} for none; left out: the source's loragate.json, if any.",
+    )
 
 
 def _admin(request: Request) -> AdminBackend:
@@ -79,7 +85,7 @@ async def put_adapter(name: str, request: Request) -> dict[str, Any]:
     backend = _admin(request)
     backend.admit_adapter_change()
     body = await _adapter_request(request)
-    return await backend.put_adapter(name, body.source, body.revision, body.follow)
+    return await backend.put_adapter(name, body.source, body.revision, body.follow, body.preset)
 
 
 @router.delete("/admin/adapters/{name}")

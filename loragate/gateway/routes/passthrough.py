@@ -108,6 +108,9 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
     if model_id not in ids:
         raise model_not_found(model_id, ids)
     entry = model_entry(gateway, model_id, ids)
+    preset_of = getattr(gateway.backend, "model_preset", None)  # the serving version's preset
+    if callable(preset_of) and (preset := preset_of(model_id)) is not None:
+        entry["preset"] = preset
     return Response(orjson.dumps(entry), media_type="application/json")
 
 
