@@ -60,14 +60,25 @@ class FleetManifest:
     adapters: dict[str, DesiredAdapter]
 
 
-def parse_fleet_manifest(data: bytes) -> FleetManifest:
-    """The manifest in ``data`` (JSON or YAML); every mistake in it named in the error."""
+def parse_fleet_manifest(data: bytes, base: str | None = None) -> FleetManifest:
+    """The manifest in ``data`` (JSON or YAML); every mistake in it named in the error.
+
+    With ``base`` (a catalog's model id), the manifest is one per base model:
+    ``{"models": {"ID": {"adapters": {...}}}}``, and this is ``base``'s part of it (its
+    revision still the whole file's: every model's reconciler sees the same one)."""
     revision = hashlib.sha256(data).hexdigest()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise FleetManifestError("the adapters manifest is not UTF-8 text") from None
     document = _load(text)
+    if base is not None:
+        document = _part_of(document, base)
+    elif isinstance(document, dict) and "models" in document:
+        raise FleetManifestError(
+            'this manifest lists adapters per base model ("models"), but this gateway serves '
+            'one base model: give it {"adapters": {"NAME": {"source": ...}}}'
+        )
     if not isinstance(document, dict) or "adapters" not in document or set(document) - _TOP:
         raise FleetManifestError(
             'the adapters manifest must be an object with the key "adapters" (and optionally '
@@ -95,6 +106,24 @@ def parse_fleet_manifest(data: bytes) -> FleetManifest:
 
 
 _TOP = {"adapters", "allow_empty"}
+
+
+def _part_of(document: Any, base: str) -> Any:
+    """``base``'s part of a per-base-model manifest, checked as a whole manifest is."""
+    models = document.get("models") if isinstance(document, dict) else None
+    if not isinstance(models, dict) or set(document) != {"models"}:
+        raise FleetManifestError(
+            'a catalog\'s adapters manifest must be an object with the key "models", one part '
+            'per base model: {"models": {"ID": {"adapters": {"NAME": {"source": ...}}}}}'
+            + (" (it is empty: a truncated or missing file?)" if document is None else "")
+        )
+    if base not in models:
+        raise FleetManifestError(
+            f"the adapters manifest has no part for base model {base!r} (it has: "
+            f"{', '.join(map(str, models)) or 'none'}); its adapters now are kept. To serve none, "
+            f'say so: {{"models": {{"{base}": {{"adapters": {{}}, "allow_empty": true}}}}}}'
+        )
+    return models[base]
 
 
 def _load(text: str) -> Any:

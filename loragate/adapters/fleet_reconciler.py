@@ -67,9 +67,11 @@ class FleetReconciler:
         interval: float,
         fetch: Fetcher = fetch_fleet_manifest,
         max_removals: int = 10,
+        base: str | None = None,
     ) -> None:
         self._manager = manager
         self.source = source
+        self.base = base  # a catalog's model: its part of a per-base-model manifest
         self.max_removals = max_removals
         self._fetch = fetch
         self._applied: dict[str, DesiredAdapter] = {}
@@ -133,7 +135,7 @@ class FleetReconciler:
         """Fetch the manifest and bring this gateway's adapters to it."""
         try:
             data = await asyncio.to_thread(self._fetch, self.source)
-            manifest = parse_fleet_manifest(data)
+            manifest = parse_fleet_manifest(data, self.base)
         except Exception as exc:  # unreadable, whatever the reason: nothing changes
             why = (
                 str(exc) if isinstance(exc, FleetManifestError) else f"{type(exc).__name__}: {exc}"

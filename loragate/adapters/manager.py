@@ -48,6 +48,7 @@ from loragate.adapters.zero_adapter import write_zero_adapter
 from loragate.logs import redact_urls
 from loragate.supervisor.client import EngineClient, EngineRefused
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
+from loragate.supervisor.states import EngineState
 
 log = logging.getLogger("loragate.adapters")
 
@@ -98,6 +99,10 @@ class AdapterManager:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.failures: dict[str, str] = {}
         self.counters: defaultdict[str, int] = defaultdict(int)
+        self._supervisor = supervisor
+        # A catalog's model: while its engine is stopped (cold), a new version is stored and
+        # recorded, and loaded by the engine's next boot, instead of waiting for it to run.
+        self.declare_while_stopped = False
         self.engine_versions = EngineVersions(
             store=store,
             engine=engine,
@@ -440,12 +445,15 @@ class AdapterManager:
         follow: bool,
         preset: dict[str, Any] | None = None,
     ) -> None:
-        """Load ``prepared`` under its own engine id, flip the route, retire the old version."""
+        """Load ``prepared`` under its own engine id, flip the route, retire the old version;
+        for a cold catalog model, only record it (its next boot loads it)."""
         digest = prepared.stored.digest
         eid = engine_id(name, digest)
         stored = await self.engine_versions.verified(digest, hash_files=not prepared.verified)
         newly_loaded = eid not in self.engine_versions.loaded
-        await self.engine_versions.load(eid, stored.path)
+        cold = self.declare_while_stopped and self._supervisor.state == EngineState.STOPPED
+        if not cold:
+            await self.engine_versions.load(eid, stored.path)
         previous_entry = self.manifest.entries.get(name)
         old_eid = self.routes.get(name) if name in self.routes.public_names() else None
         if previous_entry is not None and previous_entry.active != digest:
@@ -466,9 +474,12 @@ class AdapterManager:
         except AdapterError:
             # What is on disk still names the old version: so does the route, and the version
             # loaded just now for this swap leaves the engine again.
-            if newly_loaded and eid not in self.routes.engine_ids():
+            if newly_loaded and not cold and eid not in self.routes.engine_ids():
                 await self.engine_versions.unload_unused(eid)
             raise
+        if cold:
+            self.failures.pop(name, None)
+            return
         self.routes.route(name, eid, stored.preset)
         self.failures.pop(name, None)
         if old_eid is not None and old_eid != eid:

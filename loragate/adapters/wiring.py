@@ -94,9 +94,12 @@ def adapter_manager_for(
     return manager
 
 
-def fleet_reconciler_for(settings: Settings, manager: AdapterManager) -> FleetReconciler | None:
+def fleet_reconciler_for(
+    settings: Settings, manager: AdapterManager, base: str | None = None
+) -> FleetReconciler | None:
     """What converges ``manager`` on ``--adapters-manifest``, handed the manager as its
-    protocol; None when no manifest is set (the admin API alone changes the adapters)."""
+    protocol; None when no manifest is set (the admin API alone changes the adapters). A
+    catalog's model (``base``) follows its own part of a per-base-model manifest."""
     if not settings.adapters_manifest:
         return None
     return FleetReconciler(
@@ -104,4 +107,5 @@ def fleet_reconciler_for(settings: Settings, manager: AdapterManager) -> FleetRe
         settings.adapters_manifest,
         settings.follow_interval,
         max_removals=settings.fleet_max_removals,
+        base=base,
     )

@@ -121,14 +121,19 @@ class Settings(
         if not self.models:
             return self
         single = [
-            name
-            for name in ("model", "upstream_url", "run_id", "adapters_manifest")
-            if getattr(self, name) is not None
+            name for name in ("model", "upstream_url", "run_id") if getattr(self, name) is not None
         ] + (["lora"] if self.lora else [])
         if single:
             raise ValueError(
                 "models (a catalog) and " + ", ".join(single) + " both say what to serve: give "
                 "each base model its entry under models (with its own lora), or drop models"
+            )
+        with_lora = [model_id for model_id, entry in self.models.items() if entry.lora]
+        if self.adapters_manifest and with_lora:
+            raise ValueError(
+                "adapters_manifest and the lora of models " + ", ".join(with_lora) + " both name "
+                'adapters: with a manifest, list every model\'s in it ({"models": {"ID": '
+                '{"adapters": ...}}})'
             )
         return self
 

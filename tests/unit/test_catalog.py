@@ -408,3 +408,48 @@ def test_resolvers_must_be_hub_prefixes_or_url_templates() -> None:
     for bad in ["hf://org/repo", "https://host/adapters.tar.gz", "file:///x/{name}"]:
         with pytest.raises(ValueError, match="resolver"):
             Settings(models={"a": {"model": "/m", "resolvers": [bad]}})
+
+
+def test_a_fleet_manifest_carries_adapters_per_base_model(tmp_path: Path, demo_dir: Path) -> None:
+    """``{"models": {"ID": {"adapters": ...}}}``: each model serves its part; a model the
+    manifest has no part for keeps what it had and says why; the admin API refuses changes."""
+    import json
+
+    manifest = tmp_path / "fleet.json"
+    parts = {
+        "alpha": {"adapters": {"pong": {"source": str(demo_adapter_dir(demo_dir, "pong"))}}},
+        "beta": {"adapters": {"fox": {"source": str(demo_adapter_dir(demo_dir, "fox"))}}},
+    }
+    manifest.write_text(json.dumps({"models": parts}))
+    base = str(demo_base_dir(demo_dir))
+    models = {"alpha": {"model": base}, "beta": {"model": base}, "gamma": {"model": base}}
+    settings = catalog_settings(
+        tmp_path, demo_dir, models=models, adapters_manifest=str(manifest), follow_interval=60
+    )
+    with serving(create_app(settings)) as url:
+        wait_for(lambda: {"pong", "fox"} <= set(residency(url)))
+        by_id = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+        assert by_id["pong"]["parent"] == "alpha" and by_id["fox"]["parent"] == "beta"
+        assert chat(url, "fox").json()["model"] == "fox"
+        report = httpx.get(f"{url}/admin/adapters", headers=ADMIN, timeout=10).json()
+        fleets = report["adapters_manifest"]
+        assert fleets["alpha"]["error"] is None
+        assert "no part for base model 'gamma'" in fleets["gamma"]["error"]
+        refused = httpx.put(
+            f"{url}/admin/adapters/owl",
+            headers=ADMIN,
+            json={"source": str(demo_adapter_dir(demo_dir, "owl"))},
+            timeout=10,
+        )
+        assert refused.status_code == 409
+
+
+def test_a_one_model_gateway_refuses_a_per_base_manifest() -> None:
+    from loragate.adapters.fleet_manifest import FleetManifestError, parse_fleet_manifest
+
+    data = b'{"models": {"alpha": {"adapters": {"a": {"source": "/x"}}}}}'
+    with pytest.raises(FleetManifestError, match="one base model"):
+        parse_fleet_manifest(data)
+    assert set(parse_fleet_manifest(data, "alpha").adapters) == {"a"}
+    with pytest.raises(FleetManifestError, match="no part for base model 'beta'"):
+        parse_fleet_manifest(data, "beta")

@@ -90,6 +90,7 @@ class CatalogEntry:
 
     def __post_init__(self) -> None:
         self.backend.sleep_mode = self.spec.sleep
+        self.backend.fleet_part = self.id
         self.backend.supervisor.add_listener(self._engine_changed)
 
     def _engine_changed(self, state: EngineState, reason: str) -> None:
@@ -480,7 +481,15 @@ class CatalogBackend:
             data += [{**adapter, "base_model": entry.id} for adapter in report["data"]]
             progress += report["progress"]
         return {"base_models": list(self.entries), "data": data, "progress": progress,
-                "adapters_manifest": None}  # fmt: skip
+                "adapters_manifest": self._fleet_reports() or None}  # fmt: skip
+
+    def _fleet_reports(self) -> dict[str, Any]:
+        """Each model's part of a per-base-model adapters manifest, as it was applied."""
+        return {
+            entry.id: entry.backend.fleet.report()
+            for entry in self.entries.values()
+            if entry.backend.fleet is not None
+        }
 
     def adapter_report(self, name: str) -> dict[str, Any]:
         return {**self._adapter_owner(name).backend.adapter_report(name)}

@@ -91,6 +91,8 @@ class SupervisedEngineBackend:
         self.memory_bytes: int | None = None
         # A catalog model unloaded by vLLM's sleep mode: the engine runs with it enabled.
         self.sleep_mode = False
+        # A catalog model: its part of a per-base-model adapters manifest (``models.ID``).
+        self.fleet_part: str | None = None
         self._watchdog: asyncio.Task[None] | None = None
         # How far the start has come (download, dequantization, boot): /health, STATUS=.
         self.start_progress = WaitProgress(
@@ -237,7 +239,8 @@ class SupervisedEngineBackend:
             zero_adapter=self.zero_adapter,
             preset_rules=parameter_rules,
         )
-        self.fleet = fleet_reconciler_for(settings, self.manager)
+        self.manager.declare_while_stopped = self.fleet_part is not None  # a catalog's model
+        self.fleet = fleet_reconciler_for(settings, self.manager, self.fleet_part)
         if self.fleet is not None:
             # The manifest names every adapter (the demo's and a Vi run's included).
             boot_loras = []
