@@ -418,7 +418,7 @@ def test_python_m_loragate_takes_the_vi_servers_flags(tmp_path: Path) -> None:
             "127.0.0.1",
             "--config",
             str(config),
-        ],  # fmt: skip
+        ],
     ).start()
     try:
         gateway.wait_ready(120)
