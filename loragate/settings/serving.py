@@ -189,7 +189,7 @@ class ServingFields(BaseModel):
         """Other ids requests may name the base model by: a local directory's whole path (as
         given), served under its folder name, so clients written for the path still work."""
         served = self.served_model_name
-        named_by_path = self.model and not self.model_name and self.run_id is None
-        if named_by_path and served != self.model and local_dir_served_name(self.model) == served:
-            return {self.model: served}
-        return {}
+        model = self.model
+        if model is None or self.model_name or self.run_id is not None or served == model:
+            return {}
+        return {model: served} if local_dir_served_name(model) == served else {}
