@@ -379,3 +379,24 @@ def test_each_request_gets_the_preset_of_the_version_that_served_it_through_swap
         assert too_many.status_code == 400
         assert too_many.json()["error"]["param"] == "max_tokens"
         assert tokens_answered(url) == 4  # no max_tokens asked: the clamp is the limit
+
+
+def test_a_catalog_shows_the_serving_versions_preset_in_v1_models_id(
+    tmp_path: Path, demo_dir: Path
+) -> None:
+    base = str(demo_base_dir(demo_dir))
+    settings = Settings(
+        cache_dir=tmp_path / "cache",
+        models={"alpha": {"model": base}},
+        engine_command=STAND_IN,
+        probe_interval=0.2,
+        admin_key="the-admin",
+    )
+    terse = {"defaults": {"max_tokens": 3}, "system_prompt": "Be terse."}
+    with serving(create_app(settings)) as url:
+        wait_ready(url)
+        added = put(url, demo_adapter_dir(demo_dir, "pong"), terse)
+        assert added.status_code == 200, added.text
+        assert httpx.get(f"{url}/v1/models/fox", timeout=10).json()["preset"] == terse
+        assert "preset" not in httpx.get(f"{url}/v1/models/alpha", timeout=10).json()
+        assert tokens_answered(url) == 3  # the model's own backend applies it too

@@ -202,6 +202,11 @@ class CatalogBackend:
                 return entry
         return None
 
+    def model_preset(self, name: str) -> dict[str, Any] | None:
+        """``/v1/models/{id}``'s preset: asked of the model that serves ``name``."""
+        entry = self.owner(name)
+        return entry.backend.model_preset(name) if entry is not None else None
+
     def resolves(self, name: str) -> bool:
         """Whether an unregistered ``name`` may be found in a place the operator configured:
         an adapter folder of a model's ``adapter_dir``, or any model with ``resolvers`` (tried
