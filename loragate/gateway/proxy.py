@@ -32,8 +32,10 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from loragate.gateway.backends.base import EngineCall
 from loragate.gateway.errors import OpenAIError, error_event
 from loragate.gateway.metrics import current_observation
+from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.http.connection import UpstreamBroken, UpstreamConnection, UpstreamSilent
 from loragate.http.pool import Pool, Unreachable
 from loragate.http.wire import Origin, request_bytes, target
@@ -149,6 +151,35 @@ class ProxyClient:
 
     async def aclose(self) -> None:
         self._pool.close()
+
+    async def relay(
+        self,
+        call: EngineCall,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        rename: Rename | None,
+        on_done: Callable[[], None] = lambda: None,
+        uds: str | None = None,
+    ) -> Response:
+        """Send ``call`` to ``url`` with ``body`` and the backend's ``headers`` (its key): what
+        every backend sends for each request, from the call itself (method, streaming, request
+        id and content type) and the trace context, once."""
+        sent = {**headers, "X-Request-Id": call.request_id, **outgoing_trace_headers()}
+        if call.content_type is not None:
+            sent["Content-Type"] = call.content_type
+        return await self.forward(
+            url,
+            body,
+            sent,
+            stream=call.stream,
+            rename=rename,
+            on_done=on_done,
+            response_headers={"X-Request-ID": call.request_id},
+            uds=uds,
+            method=call.method,
+        )
 
     async def forward(
         self,

@@ -39,7 +39,6 @@ from loragate.gateway.proxy import (
 )
 from loragate.gateway.requests.images.resolve import ENGINE_MEDIA_ARGS, engine_media_env
 from loragate.gateway.requests.presets import parameter_rules, shaped_body
-from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.plan.engine_plan import plan_engine
 from loragate.plan.preflight.problem import PreflightError
 from loragate.settings import Settings
@@ -396,25 +395,16 @@ class SupervisedEngineBackend:
                 rename = Rename.of(engine_id, call.public_model)
                 on_done = functools.partial(self._request_done, manager, engine_id)
             body = shaped_body(manager.preset_of(engine_id), call, engine_id, on_done)
-            headers = {
-                "Authorization": f"Bearer {endpoint.api_key}",
-                "X-Request-Id": call.request_id,
-                **outgoing_trace_headers(),
-            }
-            if call.content_type is not None:
-                headers["Content-Type"] = call.content_type
             self.in_flight += 1
             try:
-                return await self.proxy.forward(
+                return await self.proxy.relay(
+                    call,
                     endpoint.base_url + call.path,
                     body,
-                    headers,
-                    uds=endpoint.uds,
-                    stream=call.stream,
+                    {"Authorization": f"Bearer {endpoint.api_key}"},
                     rename=rename,
                     on_done=functools.partial(self._answered, on_done),
-                    response_headers={"X-Request-ID": call.request_id},
-                    method=call.method,
+                    uds=endpoint.uds,
                 )
             except UpstreamUnreachable as exc:
                 # The engine died just now: wait for the restart and send the request again.

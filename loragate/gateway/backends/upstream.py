@@ -23,7 +23,6 @@ from starlette.responses import Response
 from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import ProxyClient, Rename
-from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.http import oneshot
 from loragate.logs import redact, redact_urls
 from loragate.settings import Settings
@@ -158,9 +157,6 @@ class UpstreamBackend:
 
     async def relay(self, call: EngineCall) -> Response:
         upstream_id = None if call.public_model is None else self._to_upstream(call.public_model)
-        headers = {**self._headers, "X-Request-Id": call.request_id, **outgoing_trace_headers()}
-        if call.content_type is not None:
-            headers["Content-Type"] = call.content_type
         # /v1/... routes hang off the API base; the others (/tokenize, /version) off the root.
         if call.path.startswith("/v1/"):
             url = self.api_base + call.path.removeprefix("/v1")
@@ -170,15 +166,8 @@ class UpstreamBackend:
         if upstream_id is not None and call.public_model is not None:
             rename = Rename.of(upstream_id, call.public_model)
         try:
-            return await self.proxy.forward(
-                url,
-                call.body(upstream_id),
-                headers,
-                stream=call.stream,
-                rename=rename,
-                on_done=_nothing,
-                response_headers={"X-Request-ID": call.request_id},
-                method=call.method,
+            return await self.proxy.relay(
+                call, url, call.body(upstream_id), self._headers, rename=rename
             )
         except OpenAIError as exc:
             exc.message = redact_urls(
@@ -197,7 +186,3 @@ def _model_ids(listing: Any) -> list[str]:
     ]
     entries.sort(key=lambda entry: entry.get("parent") is not None)
     return [entry["id"] for entry in entries]
-
-
-def _nothing() -> None:
-    pass
