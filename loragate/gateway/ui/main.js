@@ -116,14 +116,36 @@ function renderAdapters(adapters) {
       el("td", { className: "active", title: a.version }, el("code", { text: short(a.version) })),
       el("td", { className: "previous", title: a.previous_version || "" }, el("code", { text: short(a.previous_version) })),
       el("td", { className: "source", text: a.source ?? "–" }),
+      el("td", { className: "preset", text: presetSummary(a.preset),
+        title: a.preset && Object.keys(a.preset).length ? JSON.stringify(a.preset, null, 1) : "" }),
       el("td", { className: "follow", text: a.follow === undefined ? "–" : a.follow ? "yes" : "no" }),
       el("td", { className: "loaded", text: clock(a.loaded_at), title: a.loaded_at ? new Date(a.loaded_at * 1000).toISOString() : "" }),
       page.admin ? actionButtons(a) : el("td", { className: "admin-only" })),
   );
   const failures = adapters.filter((a) => a.error || a.follow_error).map((a) =>
     el("tr", { className: "failure", dataset: { name: a.name } },
-      el("td", { colspan: 8, className: "error", text: `${a.name}: ${a.error || a.follow_error}` })));
+      el("td", { colspan: 9, className: "error", text: `${a.name}: ${a.error || a.follow_error}` })));
   document.getElementById("adapter-rows").replaceChildren(...rows, ...failures);
+}
+
+// The serving version's preset in a line (its whole JSON is the cell's tooltip): the system
+// prompt's start, the defaults as name=value, the clamps as name≤value, then what else it sets
+// (`GET /admin/adapters`' preset: only the keys it sets).
+function presetSummary(preset) {
+  if (!preset || !Object.keys(preset).length) return "–";
+  const parts = [];
+  if (preset.system_prompt !== undefined) {
+    const text = preset.system_prompt.length > 32 ? `${preset.system_prompt.slice(0, 31)}…` : preset.system_prompt;
+    parts.push(`system${preset.system_prompt_mode === "always" ? " (always)" : ""}: “${text}”`);
+  }
+  for (const [name, value] of Object.entries(preset.defaults || {})) parts.push(`${name}=${JSON.stringify(value)}`);
+  for (const [name, value] of Object.entries(preset.clamps || {})) parts.push(`${name}≤${value}`);
+  if (preset.stop && preset.stop.length) parts.push(`stop: ${preset.stop.map((s) => JSON.stringify(s)).join(" ")}`);
+  if (preset.response_format) parts.push(`format: ${preset.response_format.type || "set"}`);
+  if (preset.user_prompt !== undefined) parts.push("user prompt");
+  if (preset.chat_template !== undefined) parts.push("chat template");
+  if (preset.renderer !== undefined) parts.push(`renderer: ${preset.renderer}`);
+  return parts.join("; ");
 }
 
 let drawnAdds = "";
