@@ -249,14 +249,35 @@ def _choose_cpu_lora_ops(settings: Settings, plan: EnginePlan) -> None:
 
 
 def _vi_run(settings: Settings, cache_dir: Path) -> tuple[Path, Path | None]:
-    """A Datature Vi run's base model and adapter, downloaded once into the cache dir."""
-    from loragate.base_model.vi_runs import download_vi_run, vi_run_layout
+    """A Datature Vi run's base model and adapter, each with the run's preset beside it: the
+    run as downloaded before into the cache dir, else as the Vi SDK keeps it in its own cache
+    (used offline, no credentials), else downloaded now. A chosen checkpoint has its own
+    directory and skips the SDK's cache, which does not record which checkpoint it holds."""
+    from loragate.base_model.vi_runs import (
+        checked_checkpoint,
+        download_vi_run,
+        sdk_cached_run,
+        served_vi_run,
+    )
 
     assert settings.run_id is not None
-    run_dir = cache_dir / "vi-runs" / settings.run_id
+    runs = cache_dir / "vi-runs"
+    checkpoint = settings.checkpoint
+    if checkpoint is not None:
+        runs = runs / "checkpoints" / checked_checkpoint(checkpoint)
+    run_dir = runs / settings.run_id
     if not run_dir.is_dir():
-        run_dir = download_vi_run(
-            settings.run_id, settings.secret_key, settings.organization_id, run_dir.parent
-        )
-    full, adapter, _ = vi_run_layout(run_dir)
-    return full, adapter
+        cached = sdk_cached_run(settings.run_id) if checkpoint is None else None
+        if cached is not None:
+            log.info("Vi run %s: from the Vi SDK's cache, %s", settings.run_id, cached)
+            run_dir = cached
+        else:
+            run_dir = download_vi_run(
+                settings.run_id,
+                settings.secret_key,
+                settings.organization_id,
+                runs,
+                checkpoint=checkpoint,
+            )
+    served = cache_dir / "vi-runs" / "served" / f"{settings.run_id}@{checkpoint or 'latest'}"
+    return served_vi_run(run_dir, served)

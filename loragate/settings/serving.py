@@ -114,6 +114,12 @@ class ServingFields(BaseModel):
         description="Serve a Datature Vi training run: its base model and its adapter.",
         json_schema_extra=serve_option(),
     )
+    checkpoint: str | None = Field(
+        default=None,
+        description="The checkpoint of --run-id to serve (such as epoch_10); unset: the run's "
+        "latest, as the Vi SDK picks it.",
+        json_schema_extra=serve_option(),
+    )
     secret_key: str | None = Field(
         default=None,
         description="Datature Vi secret key, for --run-id.",
@@ -187,9 +193,12 @@ class ServingFields(BaseModel):
     @property
     def served_model_aliases(self) -> dict[str, str]:
         """Other ids requests may name the base model by: a local directory's whole path (as
-        given), served under its folder name, so clients written for the path still work."""
+        given), served under its folder name, so clients written for the path still work; a Vi
+        run's id (when no adapter of the run answers to it: a full fine-tune)."""
         served = self.served_model_name
+        if self.run_id is not None:  # a full fine-tune is the run itself, as Vi serves it
+            return {self.run_id: served} if served != self.run_id else {}
         model = self.model
-        if model is None or self.model_name or self.run_id is not None or served == model:
+        if model is None or self.model_name or served == model:
             return {}
         return {model: served} if local_dir_served_name(model) == served else {}
