@@ -19,7 +19,7 @@ from loragate.gateway.errors import OpenAIError
 from loragate.gateway.requests.content_parts import check_part, is_image_type
 from loragate.gateway.requests.images.limits import ImageBudget
 from loragate.gateway.requests.images.resolve import MediaPolicy, media_policy_of
-from loragate.gateway.requests.images.vision_model import model_takes_images
+from loragate.gateway.requests.images.vision_model import model_takes_images, model_takes_video
 from loragate.gateway.requests.structured_outputs import (
     check_response_format,
     check_structured_outputs,
@@ -97,13 +97,16 @@ async def normalize_chat_request(payload: dict[str, Any], settings: Settings) ->
     if has_vi:
         vi_to_messages(body)
     translate_guided(body)
+    budget = ImageBudget(settings.max_body_bytes)
+    if has_vi:
+        await _check_vi_video(body["messages"], settings, budget)
     try:
         await _check_messages(
             body["messages"],
             media_policy_of(settings),
             settings.max_messages,
             settings.max_images_per_request,
-            ImageBudget(settings.max_body_bytes),
+            budget,
         )
     except OpenAIError as exc:
         if has_vi and exc.param and exc.param.endswith(".image_url.url"):
@@ -115,6 +118,28 @@ async def normalize_chat_request(payload: dict[str, Any], settings: Settings) ->
     check_structured_outputs(body.get("structured_outputs"))
     vi = vi_request(payload, body["messages"]) if has_vi else None
     return ChatRequest(body, vi, sent=payload)
+
+
+async def _check_vi_video(
+    messages: list[dict[str, Any]], settings: Settings, budget: ImageBudget
+) -> None:
+    """A Vi ``source`` naming a video (``vi_messages`` made it a ``video_url`` part): a 400 when
+    the model's config has no video input; else read and checked as images are, and sent on
+    as a data URI."""
+    part = messages[-1]["content"][0] if messages[-1]["content"] else None
+    if part is None or part["type"] != "video_url":
+        return
+    if model_takes_video(settings) is False:
+        raise _bad(
+            f"The Vi 'source' is a video, but {settings.model} takes no video (its config.json "
+            "names no video input). Send an image, or serve a video model such as Cosmos "
+            "Reason2 (Vi's video-freeform task).",
+            param="source",
+            code="video_unsupported",
+        )
+    part["video_url"]["url"] = await media_policy_of(settings).video(
+        part["video_url"]["url"], "source", budget
+    )
 
 
 async def _check_messages(
@@ -168,7 +193,7 @@ async def _check_messages(
 def _has_image(messages: list[dict[str, Any]]) -> bool:
     return any(
         isinstance(message.get("content"), list)
-        and any(part.get("type") == "image_url" for part in message["content"])
+        and any(part.get("type") in ("image_url", "video_url") for part in message["content"])
         for message in messages
     )
 

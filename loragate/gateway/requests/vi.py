@@ -1,9 +1,10 @@
 """Datature Vi's flat request shape, and the OpenAI messages it stands for.
 
 A Vi request is ``source`` (the image: a local path, an http(s) URL, a data URI or raw base64,
-as the Vi server's schema documents it) and
+as the Vi server's schema documents it; or a video file, for Vi's ``video-freeform`` task) and
 ``user_prompt``, with an optional ``system_prompt`` and a ``generation_config`` under Hugging
-Face names. It becomes one user message with the image part first and the text part second;
+Face names. It becomes one user message with the media part first (``image_url``, or
+``video_url`` for a video) and the text part second;
 ``ViRequest`` keeps what was sent, so a backend with its own Vi entry point
 (``InferenceBackend.generate_vi_format``) still gets it.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.requests.images.resolve import sniff_format
+from loragate.gateway.requests.images.video import names_a_video, sniff_video
 
 VI_KEYS = frozenset({"source", "user_prompt", "system_prompt", "generation_config"})
 
@@ -59,10 +61,12 @@ def _bad(message: str, param: str, code: str = "invalid_request") -> OpenAIError
 def vi_messages(
     source: str | None, user_prompt: str | None, system_prompt: str | None = None
 ) -> list[dict[str, Any]]:
-    """The OpenAI messages a Vi request stands for: the image part first, the text second."""
+    """The OpenAI messages a Vi request stands for: the image (or video) part first, the text
+    second."""
     content: list[dict[str, Any]] = []
     if source:
-        content.append({"type": "image_url", "image_url": {"url": source}})
+        kind = "video_url" if names_a_video(source) else "image_url"
+        content.append({"type": kind, kind: {"url": source}})
     if user_prompt is not None:
         content.append({"type": "text", "text": user_prompt})
     messages: list[dict[str, Any]] = []
@@ -76,7 +80,7 @@ _RAW_BASE64 = re.compile(r"[A-Za-z0-9+/\s]+={0,2}\s*")
 
 
 def raw_base64_image(source: str) -> str | None:
-    """``source`` as a data URI when it is a raw base64 image (no ``data:`` prefix), which the
+    """``source`` as a data URI when it is a raw base64 image or video (no ``data:`` prefix), which the
     Vi server's schema accepts (``vi/deployment/local/schemas.py``:
     ``ChatCompletionRequest.source``, "a file path, URL, or base64-encoded image string");
     None for anything else (a path, a URL, a data URI). Only the image's first bytes are
@@ -89,7 +93,10 @@ def raw_base64_image(source: str) -> str | None:
     except (binascii.Error, ValueError):
         return None
     fmt = sniff_format(head)
-    return f"data:image/{fmt};base64,{compact}" if fmt else None
+    if fmt:
+        return f"data:image/{fmt};base64,{compact}"
+    mime = sniff_video(head)
+    return f"data:{mime};base64,{compact}" if mime else None
 
 
 def vi_to_messages(body: dict[str, Any]) -> None:
@@ -115,8 +122,9 @@ def vi_request(payload: dict[str, Any], messages: list[dict[str, Any]]) -> ViReq
     """The Vi request ``payload`` was, with the image as ``messages`` hold it once checked."""
     source = None
     if payload.get("source") is not None:  # typed clients send absent fields as null
-        # The checked form of the image (local files are data URIs by now), first part.
-        source = messages[-1]["content"][0]["image_url"]["url"]
+        # The checked form of the image or video (local files are data URIs by now), first part.
+        first = messages[-1]["content"][0]
+        source = first[first["type"]]["url"]
     config = payload.get("generation_config")
     return ViRequest(
         source=source,

@@ -1,5 +1,6 @@
-"""Whether the served base model takes images: a vision model asked without one gets a 400
-that says how to send one (``chat``), a text model is never asked for one."""
+"""Whether the served base model takes images, or videos: a vision model asked without an
+image gets a 400 that says how to send one (``chat``), a text model is never asked for one; a
+video ``source`` to a model whose config has no video input is a 400 saying so."""
 
 from __future__ import annotations
 
@@ -70,3 +71,33 @@ def config_takes_images(config: dict[str, Any]) -> bool:
         return True
     architectures = config.get("architectures") or []
     return any(isinstance(a, str) and ("Vision" in a or "VL" in a) for a in architectures)
+
+
+def model_takes_video(settings: Settings) -> bool | None:
+    """Whether the served base model reads videos, as its ``config.json`` says (None: no
+    config to read, e.g. a custom backend or a model still downloading: the engine decides)."""
+    if settings.model is None:
+        return None
+    key = (settings.model, str(settings.cache_dir))
+    if key not in _VIDEO_VERDICTS:
+        config = _read_model_config(settings.model, str(settings.cache_dir.expanduser()))
+        if config is None:
+            return None
+        _VIDEO_VERDICTS[key] = config_takes_video(config)
+    return _VIDEO_VERDICTS[key]
+
+
+_VIDEO_VERDICTS: dict[tuple[str, str], bool] = {}
+
+
+def config_takes_video(config: dict[str, Any]) -> bool:
+    """Whether a Hugging Face ``config.json`` describes a model with a video input: vLLM's
+    video models (Qwen2-VL to Qwen3-VL and the Cosmos Reason models built on them, LLaVA
+    OneVision, ...) name a video token in it."""
+    for where in (config, config.get("text_config") or {}):
+        if isinstance(where, dict) and any(
+            key in where for key in ("video_token_id", "video_token_index", "video_token")
+        ):
+            return True
+    architectures = config.get("architectures") or []
+    return any(isinstance(a, str) and "Video" in a for a in architectures)
