@@ -168,6 +168,13 @@ async def _choose_model(settings: Settings, cache_dir: Path) -> tuple[EnginePlan
         model_dir, adapter = await asyncio.to_thread(_vi_run, settings, cache_dir)
         if adapter is not None:
             boot_loras.insert(0, (settings.run_id, str(adapter)))
+        if not any(arg.startswith("--structured-outputs-config") for arg in settings.engine_args):
+            # The run's schema without whitespace, as the Vi SDK compiles it
+            # (vi/utils/compiler.py compile_bounded_grammar); xgrammar takes it only at start.
+            extra_args = [
+                "--structured-outputs-config",
+                '{"backend": "xgrammar", "disable_any_whitespace": true}',
+            ]
     elif settings.model is None and settings.demo == "smollm2":
         # The real demo is served like a user's own model: a directory and its adapters.
         demo = await asyncio.to_thread(ensure_smollm_demo, None, settings.engine_python)
