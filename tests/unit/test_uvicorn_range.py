@@ -85,6 +85,8 @@ def test_the_hot_protocol_and_guard_tests_pass_on_the_oldest_and_newest_uvicorn(
         assert version(found) == lower_bound()
     else:  # the newest the index has: never older than the installed one
         assert version(found) >= version(uvicorn.__version__)
+        if found == uvicorn.__version__:
+            return  # the installed one: these very tests run on it in the suite itself
     env = with_uvicorn(folder)
     check = subprocess.run(
         [sys.executable, "-c", "import uvicorn; print(uvicorn.__version__)"],
@@ -173,6 +175,8 @@ def test_gateway_serve_answers_a_chat_request_and_logs_which_path_serves(
     tmp_path: Path, folder: Path | None
 ) -> None:
     found = uvicorn.__version__ if folder is None else folder_version(folder)
+    if folder == NEWEST_DIR and found == uvicorn.__version__:
+        folder = None  # the newest is the installed one: served as it is installed
     answer, log = one_chat_request(tmp_path, folder)
     assert answer.status_code == 200, log[-3000:]
     assert answer.json()["choices"][0]["message"]["content"] == " x x"
