@@ -159,7 +159,7 @@ def test_the_openapi_schema_still_describes_the_put_body(
     if "$ref" in schema:
         schema = app.openapi()["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
     assert schema["required"] == ["source"]
-    assert set(schema["properties"]) == {"source", "revision", "follow"}
+    assert set(schema["properties"]) == {"source", "revision", "follow", "preset"}
 
 
 def test_a_real_server_answers_an_unauthenticated_put_before_its_body_arrives(
