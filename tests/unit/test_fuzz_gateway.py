@@ -27,7 +27,7 @@ REFUSAL_EXAMPLES = 10  # a refusal at the door does not depend on the body: fewe
 ADMIN_KEY = "admin"
 API_KEY = "client"
 LOOPBACK_HOST = {"Host": "127.0.0.1:8000"}  # admin routes answer the gateway's own names only
-OPEN_PATHS = ("/health", "/health/live", "/metrics", "/metrics/recent")
+OPEN_PATHS = ("/health", "/v1/health", "/health/live", "/metrics", "/metrics/recent")
 
 Check = Callable[[str, Any], str | None]  # (label, response) -> a failure or None
 Variant = tuple[dict[str, str], Check]  # headers to send each generated request with, check
