@@ -79,9 +79,10 @@ class CatalogFields(BaseModel):
     models: dict[str, CatalogModel] = Field(
         default_factory=dict,
         description=(
-            "Several base models behind one gateway (config file only): ID: {model, lora, "
-            "adapter_dir, ttl, keep, preload, engine_args}. Each gets its own engine, booted on "
-            "its first request, and its own adapters; clients name the ID or an adapter."
+            "Several base models behind one gateway (the config file, or --model repeated): ID: "
+            "{model, lora, adapter_dir, resolvers, ttl, keep, preload, sleep, engine_args}. Each "
+            "gets its own engine, booted on its first request, and its own adapters; clients "
+            "name the ID or an adapter (docs/catalog.md)."
         ),
     )
     max_loaded_models: int | None = Field(
