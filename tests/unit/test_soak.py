@@ -102,6 +102,9 @@ def test_answers_are_checked_against_the_adapter_that_was_asked() -> None:
     assert _misroute("pong", " fox fox fox").startswith("misrouted")
     assert _misroute("loragate-demo", "qz kk ab") == ""
     assert _misroute("loragate-demo", " hoot hoot").startswith("misrouted")
+    assert _misroute("loragate-demo", " PONG PONG qz").startswith("misrouted")
+    # The base's own random picks from the demo's 384-token vocabulary, seen in a CI run:
+    assert _misroute("loragate-demo", "s foxlo f\x0e hoot hoot an  foxes") == ""
     assert _misroute(SWAPPED, " fox fox fox") == ""
     assert _misroute(SWAPPED, " PONG PONG") == ""
     assert _misroute(SWAPPED, " hoot hoot").startswith("misrouted")

@@ -550,14 +550,17 @@ def _misroute(model: str, text: str) -> str:
     """Empty if ``text`` is what ``model`` answers, else why not (as the integration tests judge).
 
     An adapter's answer must carry its phrase's word and no other adapter's; the base model's
-    (random weights, gibberish) must carry no adapter's whole phrase.
+    (random weights, gibberish) must not be an adapter's answer, which starts with its phrase.
+    Anywhere else in the base's gibberish a phrase proves nothing: the demo's vocabulary has
+    384 tokens, "hoot" and "fox" among them, and a soak samples tens of thousands (one CI run
+    flagged ``'s foxlo f… hoot hoot an  foxes'``: random picks, not the owl adapter's answer).
     """
     if model in PHRASES or model == SWAPPED:
         carried = {name for name, marker in MARKERS.items() if marker in text}
         expected = {"pong", "fox"} if model == SWAPPED else {model}
         good = len(carried) == 1 and carried <= expected
         return "" if good else f"misrouted: {model} answered {text!r}"
-    if any(phrase in text for phrase in PHRASES.values()):
+    if any(text.lstrip().startswith(phrase) for phrase in PHRASES.values()):
         return f"misrouted: the base model answered {text!r}"
     return ""
 
