@@ -24,7 +24,10 @@ def names_a_video(source: str) -> bool:
         return True
     if source[:5].lower() == "data:":
         return False
-    path = urlsplit(source).path if "://" in source[:16] else source
+    try:
+        path = urlsplit(source).path if "://" in source[:16] else source
+    except ValueError:  # a malformed URL (a bad IPv6 host): the image checks say what is wrong
+        return False
     found = _EXTENSION.search(path)
     return found is not None and found.group().lower() in VIDEO_EXTENSIONS
 
