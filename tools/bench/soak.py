@@ -78,6 +78,7 @@ class Kill:
     ready_again_at: float | None = None
     restarts_before: int = 0
     restarts_after: int | None = None
+    last_seen: str = ""  # what GET /admin/engine last said (or why it said nothing)
 
 
 @dataclass
@@ -237,7 +238,7 @@ class SoakResult:
             back = (
                 f"ready again {kill.ready_again_at - kill.at:.1f} s later"
                 if kill.ready_again_at is not None
-                else "NOT ready again before the end"
+                else f"NOT ready again before the end (last seen {kill.last_seen or 'nothing'})"
             )
             noticed = (
                 f"noticed by the gateway {kill.noticed_at - kill.at:.2f} s later, "
@@ -513,16 +514,24 @@ class Soak:
                 if info["state"] != "ready" or info["pid"] != pid:
                     kill.noticed_at = self.now()
             await asyncio.sleep(0.02)
-        while True:
+        while not (self._stop.is_set() and self.now() > self.plan.duration_s + 120):
             await asyncio.sleep(0.5)
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                info = (await http.get("/admin/engine", headers=self.admin_headers)).json()
-                # A new engine: ready, with a pid of its own (None is the dead one's moment).
-                if info["state"] == "ready" and info["pid"] not in (None, pid):
-                    kill.ready_again_at = self.now()
-                    kill.restarts_after = int(info["restarts"])
-                    return
-            if self._stop.is_set() and self.now() > self.plan.duration_s + 120:
+            try:
+                answer = await http.get("/admin/engine", headers=self.admin_headers)
+                info = answer.json()
+                state, new_pid, restarts = info["state"], info["pid"], int(info["restarts"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                kill.last_seen = f"at {self.now():.1f} s: {type(exc).__name__}: {exc}"[:300]
+                continue
+            kill.last_seen = (
+                f"at {self.now():.1f} s: HTTP {answer.status_code}, state {state}, pid "
+                f"{new_pid}, restarts {restarts}, reason {info.get('reason')!r}"
+            )[:300]
+            # A new engine: ready, and either counted as a restart or with a pid of its own
+            # (None is the dead one's moment).
+            if state == "ready" and (restarts > kill.restarts_before or new_pid not in (None, pid)):
+                kill.ready_again_at = self.now()
+                kill.restarts_after = restarts
                 return
 
     async def _sampler(self) -> None:

@@ -160,4 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     print(result.report())
     if args.json:
         args.json.write_text(json.dumps(result.to_json(), indent=2))
+    if result.problems() and process is not None:
+        # What the gateway's supervisor said, for a failure seen only in someone's CI log.
+        log = (workdir / "gateway.log").read_text(errors="replace").splitlines()
+        said = [line for line in log if "loragate.supervisor" in line or "Traceback" in line]
+        print("the gateway's supervisor said:", *said[-40:], sep="\n  ")
     return 0 if not result.problems() else 1
