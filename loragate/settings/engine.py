@@ -82,6 +82,18 @@ class EngineFields(BaseModel):
         ),
         json_schema_extra=serve_option(),
     )
+    spare_engine: bool | None = Field(
+        default=None,
+        description=(
+            "Keep one spare engine process that has imported vLLM already and waits for the "
+            "next boot (a catalog's cold model, a restart), so that boot costs little more "
+            "than loading the weights; it holds the memory of a Python with vLLM imported "
+            "(about 0.6 GiB) while it waits, and is spawned again after each boot it took. "
+            "Default: on for a catalog of more than one model, off otherwise. Used only for "
+            "vLLM's own API server (no engine_command)."
+        ),
+        json_schema_extra=serve_option(),
+    )
     engine_args: list[str] = Field(
         default_factory=list, description="Passed to the engine untouched."
     )

@@ -142,13 +142,20 @@ def _parallel_args(spec: EngineSpec) -> list[str]:
     return args
 
 
-def engine_env(spec: EngineSpec) -> dict[str, str]:
+def engine_base_env() -> dict[str, str]:
+    """What of the gateway's environment every engine gets (a spare engine too)."""
     env = {
         name: value
         for name, value in os.environ.items()
         if name not in _PRIVATE_ENV
         and (not name.startswith(_PRIVATE_ENV_PREFIX) or name.startswith(_PASSED_ENV_PREFIX))
     }
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def engine_env(spec: EngineSpec) -> dict[str, str]:
+    env = engine_base_env()
     env.update(spec.env)
     if worker_in_engine_core(spec):
         env[_MULTIPROCESSING_ENV] = "0"
@@ -157,7 +164,6 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
     # The per-boot key goes in the environment (readable by this user only), not on the
     # command line, which every local user can read in /proc/<pid>/cmdline.
     env["VLLM_API_KEY"] = spec.api_key
-    env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 

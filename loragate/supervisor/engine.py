@@ -39,6 +39,7 @@ from loragate.supervisor.failure import (
 )
 from loragate.supervisor.output import boot_phase, tail_lines
 from loragate.supervisor.process import EngineProcess
+from loragate.supervisor.spare import SpareEngines
 from loragate.supervisor.states import (
     RECOVERING,
     SERVING,
@@ -161,8 +162,11 @@ class EngineSupervisor:
         *,
         cache_dir: Path,
         timings: SupervisionFields | None = None,
+        spares: SpareEngines | None = None,
     ) -> None:
         self._build_spec = build_spec
+        # Where a boot finds an engine that has imported vLLM already (a catalog's, shared).
+        self._spares = spares
         self.timings = timings or SupervisionFields()
         self.log_path = cache_dir / "logs" / "engine.log"
         self._process = EngineProcess(cache_dir, self.log_path)
@@ -181,6 +185,7 @@ class EngineSupervisor:
         self._controlled_restart = False
         self._life_task: asyncio.Task[None] | None = None
         self._served_name = ""
+        self._boot_env: dict[str, str] = {}
         self._ready_since: float | None = None
         self.waiting = 0
         self.queue_size = 256
@@ -394,6 +399,8 @@ class EngineSupervisor:
         self.boot_progress = None
         self._transition(EngineState.READY, "engine answers /health")
         self._ready_since = time.monotonic()
+        if self._spares is not None:  # the next boot's, imported while this one serves
+            self._spares.replenish(self._boot_env)
 
     async def _watch(self) -> str:
         """Watch a ready engine until it exits or hangs; returns why it must restart."""
@@ -444,12 +451,14 @@ class EngineSupervisor:
         # Off the loop: building the spec verifies every boot adapter's SHA-256 (boot_modules).
         spec = await asyncio.to_thread(self._build_spec, socket_path, api_key)
         self._served_name = spec.served_name
+        self._boot_env = engine_env(spec)
         self._process.spawn(
             engine_argv(spec),
-            engine_env(spec),
+            self._boot_env,
             grace=self.timings.stop_timeout,
             log_to_stderr=spec.log_to_stderr,
             log_max_bytes=spec.log_max_bytes,
+            spares=self._spares,
         )
         self.endpoint = EngineEndpoint(str(socket_path), api_key)
 

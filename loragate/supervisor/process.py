@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import psutil
 
@@ -31,6 +31,9 @@ from loragate.logs import hide_secrets
 from loragate.supervisor.command import redacted, secret_values
 from loragate.supervisor.failure import ExitInfo, exit_future
 from loragate.supervisor.output import EngineLogFile, EngineOutput
+
+if TYPE_CHECKING:
+    from loragate.supervisor.spare import SpareEngines
 
 # A lock and pid file under the cache dir: one gateway per cache dir, and no stale engines.
 #
@@ -78,8 +81,8 @@ class GatewayLock:
 
 
 class EnginePidFile:
-    def __init__(self, cache_dir: Path) -> None:
-        self.path = cache_dir / "engine.pid"
+    def __init__(self, cache_dir: Path, name: str = "engine.pid") -> None:
+        self.path = cache_dir / name
 
     def write(self, pid: int, tag: str | None = None) -> None:
         record = {
@@ -160,6 +163,10 @@ def set_child_subreaper() -> bool:
 # left the group. The tag alone is not enough: vLLM renames its EngineCore and Worker with
 # setproctitle, which overwrites the memory /proc/PID/environ shows.
 ENGINE_TAG = "LORAGATE_ENGINE_TAG"
+
+
+def new_tag() -> str:
+    return secrets.token_hex(8)
 
 
 def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
@@ -382,29 +389,41 @@ class EngineProcess:
         grace: float,
         log_to_stderr: bool,
         log_max_bytes: int,
+        spares: SpareEngines | None = None,
     ) -> None:
-        """Start ``argv`` under the launcher, which gives the engine ``grace`` seconds to stop;
-        its output goes through a pipe to the log file (rotated past ``log_max_bytes``) and,
-        when ``log_to_stderr``, to the gateway's stderr."""
+        """Start ``argv`` under the launcher, which gives the engine ``grace`` seconds to stop,
+        or hand it to the waiting spare of ``spares`` (``loragate.supervisor.spare``) when that
+        one serves it; its output goes through a pipe to the log file (rotated past
+        ``log_max_bytes``) and, when ``log_to_stderr``, to the gateway's stderr."""
         env["LORAGATE_PARENT_PID"] = str(os.getpid())
-        tag = secrets.token_hex(8)
-        env[ENGINE_TAG] = tag
-        launcher = [sys.executable, "-m", "loragate.supervisor.launcher", "--grace", f"{grace:g}"]
-        launcher += ["--", *argv]
         self._log_file.max_bytes = log_max_bytes
         self._log_file.start_boot()
         # The engine may print its arguments (vLLM does, and argparse quotes a bad one): its
         # secrets are hidden in every log line and tail shown from now on (``loragate.logs``).
         hide_secrets(secret_values(argv))
-        log.info("spawning engine: %s", " ".join(redacted(argv)))
-        self._proc = subprocess.Popen(
-            launcher,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        spare = spares.take(argv, env) if spares is not None else None
+        if spare is not None:
+            tag = spare.tag
+            log.info(
+                "engine boot taken by the spare engine (launcher pid %s, spawned %.0f s ago): %s",
+                spare.proc.pid,
+                time.monotonic() - spare.spawned_at,
+                " ".join(redacted(argv)),
+            )
+            self._proc = spare.proc
+        else:
+            tag = env[ENGINE_TAG] = new_tag()
+            launcher = [sys.executable, "-m", "loragate.supervisor.launcher"]
+            launcher += ["--grace", f"{grace:g}", "--", *argv]
+            log.info("spawning engine: %s", " ".join(redacted(argv)))
+            self._proc = subprocess.Popen(
+                launcher,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         assert self._proc.stdout is not None
         self._output = EngineOutput(self._proc.stdout, self._log_file, to_stderr=log_to_stderr)
         self._output.start()

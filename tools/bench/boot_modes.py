@@ -7,6 +7,12 @@ counted and weighed, one greedy completion is asked (the same prompt in every mo
 mode that answers differently shows), and the tree is stopped as the supervisor stops it. The
 modes take turns, so a busy machine's slow spell falls on each of them alike.
 
+Each mode is also booted by a spare engine (``loragate.supervisor.spare``, the gateway's own
+code): the spare is spawned and left to import vLLM until it is idle, and the boot is timed
+from the order it is handed to ``/health``, which is what a catalog's cold model waits once a
+spare is ready. Its tree counts the launcher the spare runs under (a boot the gateway spawns
+has one too; the plain boots here run without it). ``--no-spare`` leaves these out.
+
     .venv/bin/python scripts/boot_modes.py                  # the tiny demo base, 2 boots a mode
     .venv/bin/python scripts/boot_modes.py --runs 3 --model DIR -- --dtype float32
 """
@@ -20,10 +26,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import get_args
+from typing import IO, get_args
 
 import httpx
 import psutil
@@ -32,8 +39,11 @@ from loragate.demo.layout import demo_base_dir, ensure_demo
 from loragate.settings.engine import EngineBootMode
 from loragate.supervisor.command import EngineSpec, engine_argv, engine_env, is_cpu_build
 from loragate.supervisor.process import stop_tree
+from loragate.supervisor.spare import SPARE_MODULE, SpareEngines
 
 MODES: tuple[EngineBootMode, ...] = get_args(EngineBootMode)
+# A boot mode, and whether a spare engine (loragate.supervisor.spare) takes the boot.
+Variant = tuple[EngineBootMode, bool]
 SERVED_NAME = "boot-modes"
 PROMPT = "The capital of France is"
 ANSWER_TOKENS = 32
@@ -93,7 +103,9 @@ def process_name(proc: psutil.Process) -> str:
     """vLLM renames its engine core and workers (setproctitle); the API server is python."""
     with contextlib.suppress(psutil.Error):
         title = " ".join(proc.cmdline()) or proc.name()
-        if "vllm.entrypoints" in title:
+        if "loragate.supervisor.launcher" in title:
+            return "launcher"
+        if "vllm.entrypoints" in title or SPARE_MODULE in title:
             return "api_server"
         if "multiprocessing.resource_tracker" in title:
             return "resource_tracker"
@@ -120,35 +132,72 @@ def ask(client: httpx.Client, headers: dict[str, str]) -> tuple[str, float]:
     return str(reply.json()["choices"][0]["text"]), time.monotonic() - asked
 
 
+def wait_idle(pid: int, timeout: float) -> float:
+    """Wait until process ``pid``'s tree has used no CPU for a second and a half (a spare
+    done importing); the seconds it took."""
+    began = time.monotonic()
+    last, still_since = -1.0, time.monotonic()
+    while time.monotonic() - began < timeout:
+        used = 0.0
+        for member in tree_of(pid):
+            with contextlib.suppress(psutil.Error):
+                times = member.cpu_times()
+                used += times.user + times.system
+        if used - last > 0.05:
+            last, still_since = used, time.monotonic()
+        elif time.monotonic() - still_since > 1.5:
+            break
+        time.sleep(0.25)
+    return time.monotonic() - began
+
+
 def boot_once(
-    mode: EngineBootMode,
+    variant: Variant,
     model: str,
     extra_args: list[str],
     cpu: bool,
     work_dir: Path,
     timeout: float,
 ) -> Boot:
+    mode, spare = variant
+    label = variant_name(variant)
     socket_path = work_dir / f"engine-{secrets.token_hex(4)}.sock"
     spec = engine_spec(mode, model, socket_path, extra_args, cpu)
     argv, env = engine_argv(spec), engine_env(spec)
-    log_path = work_dir / f"{mode}.log"
+    log_path = work_dir / f"{mode}{'-spare' if spare else ''}.log"
     headers = {"Authorization": f"Bearer {spec.api_key}"}
     client = httpx.Client(
         transport=httpx.HTTPTransport(uds=str(socket_path)), base_url="http://engine", timeout=5
     )
-    started = time.monotonic()
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    proc: subprocess.Popen[bytes]
+    if spare:
+        # The gateway's own spare, made ready beforehand: the boot is timed from the order.
+        spares = SpareEngines(work_dir, python=sys.executable, grace=30)
+        spares.replenish(dict(env))
+        waiting = spares.waiting
+        assert waiting is not None
+        wait_idle(waiting.proc.pid, timeout)
+        started = time.monotonic()
+        taken = spares.take(argv, env)
+        if taken is None:
+            raise RuntimeError(f"{label}: the spare did not take the boot")
+        proc = taken.proc
+        assert proc.stdout is not None
+        threading.Thread(target=copy_to, args=(proc.stdout, log_path), daemon=True).start()
+    else:
+        started = time.monotonic()
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
     try:
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(
-                    f"{mode}: the engine exited with {proc.returncode}; see {log_path}"
+                    f"{label}: the engine exited with {proc.returncode}; see {log_path}"
                 )
             if time.monotonic() - started > timeout:
-                raise TimeoutError(f"{mode}: no /health within {timeout:g} s; see {log_path}")
+                raise TimeoutError(f"{label}: no /health within {timeout:g} s; see {log_path}")
             with contextlib.suppress(httpx.HTTPError):
                 if client.get("/health", headers=headers).status_code == 200:
                     break
@@ -162,7 +211,7 @@ def boot_once(
         answer, _ = ask(client, headers)
         timed = [ask(client, headers)[1] for _ in range(TIMED_ANSWERS)]
         return Boot(
-            mode=mode,
+            mode=label,
             seconds=seconds,
             processes=[process_name(member) for member in tree],
             rss_bytes=rss,
@@ -175,25 +224,36 @@ def boot_once(
         proc.wait(10)
 
 
+def copy_to(stream: IO[bytes], path: Path) -> None:
+    with path.open("ab") as log:
+        for line in stream:
+            log.write(line)
+
+
+def variant_name(variant: Variant) -> str:
+    mode, spare = variant
+    return f"{mode} + spare" if spare else mode
+
+
 def measure(
-    modes: tuple[EngineBootMode, ...],
+    variants: list[Variant],
     runs: int,
     model: str,
     extra_args: list[str],
     timeout: float,
     progress: bool = True,
 ) -> list[ModeResult]:
-    """``runs`` boots of each mode, taking turns."""
+    """``runs`` boots of each variant (a mode, with or without a spare), taking turns."""
     cpu = is_cpu_build(sys.executable)
-    results = {mode: ModeResult(mode) for mode in modes}
+    results = {variant: ModeResult(variant_name(variant)) for variant in variants}
     with tempfile.TemporaryDirectory(prefix="boot-modes-") as work:
         for run in range(runs):
-            for mode in modes:
-                boot = boot_once(mode, model, extra_args, cpu, Path(work), timeout)
-                results[mode].boots.append(boot)
+            for variant in variants:
+                boot = boot_once(variant, model, extra_args, cpu, Path(work), timeout)
+                results[variant].boots.append(boot)
                 if progress:
                     print(
-                        f"run {run + 1}/{runs} {mode}: {boot.seconds:.1f} s, "
+                        f"run {run + 1}/{runs} {boot.mode}: {boot.seconds:.1f} s, "
                         f"{len(boot.processes)} processes",
                         file=sys.stderr,
                         flush=True,
@@ -242,9 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         "--mode", action="append", choices=MODES, help="only these modes (repeatable)"
     )
     parser.add_argument("--timeout", type=float, default=600, help="seconds one boot may take")
+    parser.add_argument(
+        "--no-spare", action="store_true", help="leave out the boots taken by a spare engine"
+    )
     args = parser.parse_args(args_in)
     model = args.model or str(demo_base_dir(ensure_demo()))
     modes = tuple(args.mode) if args.mode else MODES
-    results = measure(modes, max(args.runs, 1), model, extra_args, args.timeout)
+    spares = (False,) if args.no_spare else (False, True)
+    variants = [(mode, spare) for mode in modes for spare in spares]
+    results = measure(variants, max(args.runs, 1), model, extra_args, args.timeout)
     print(table(results))
     return 0

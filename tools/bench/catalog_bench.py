@@ -17,7 +17,10 @@ own setting, so the catalog's engines boot the way loragate boots them), each ru
   again, ``beta`` asleep since it was evicted: ``alpha`` goes to sleep and ``beta`` wakes,
   no boot.
 
-The modes take turns run by run, so a busy machine's slow spell falls on each alike. The table
+Each mode runs with and without a spare engine (``spare_engine``, on by default for a
+catalog; ``--no-spare`` leaves those runs out): with one, each cold request is sent once the
+spare has finished importing vLLM, as a request that comes a little after the last boot finds
+it. The variants take turns run by run, so a busy machine's slow spell falls on each alike. The table
 gives each run's seconds and their median; the last line says what they mean.
 
     .venv/bin/python scripts/catalog_bench.py             # the tiny demo base, 2 runs a mode
@@ -45,6 +48,7 @@ from pydantic import ValidationError
 from loragate.demo.layout import demo_adapter_dir, demo_base_dir, ensure_demo
 from loragate.settings.catalog import CatalogModel
 from loragate.settings.engine import EngineBootMode
+from tools.bench.boot_modes import Variant, variant_name, wait_idle
 from tools.harness import GATEWAY, GatewayProcess
 
 MODES: tuple[EngineBootMode, ...] = get_args(EngineBootMode)
@@ -181,11 +185,27 @@ def catalog_report(process: GatewayProcess) -> dict[str, Any]:
     return dict(answer.json())
 
 
-def run_once(mode: str, catalog: Catalog, work_dir: Path, timeout: float) -> Run:
-    """One gateway in ``mode``: boot, a cold model, a cold model while the other is evicted."""
+def spare_ready(process: GatewayProcess, timeout: float) -> None:
+    """Wait until the catalog's spare engine waits, done importing vLLM: what a request that
+    comes a little after the last boot finds (a sooner one waits for the rest of the import)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reports = process.admin("GET", "/admin/engine").json()
+        spare = next(iter(reports.values()))["spare_engine"]
+        if spare["launcher_pid"] is not None:
+            wait_idle(int(spare["launcher_pid"]), max(deadline - time.monotonic(), 1))
+            return
+        time.sleep(0.2)
+    raise TimeoutError("no spare engine came")
+
+
+def run_once(variant: Variant, catalog: Catalog, work_dir: Path, timeout: float) -> Run:
+    """One gateway in ``variant`` (a boot mode, with or without a spare engine): boot, a cold
+    model, a cold model while the other is evicted."""
+    mode, spare = variant
     cache_dir = Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=work_dir))
     first, second = IDS
-    env = {"LORAGATE_ENGINE_BOOT_MODE": mode}
+    env = {"LORAGATE_ENGINE_BOOT_MODE": mode, "LORAGATE_SPARE_ENGINE": str(spare).lower()}
     if catalog.stand_in:  # the stand-in engine is this checkout's tools.bench.fake_engine
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     process = GatewayProcess(
@@ -204,8 +224,12 @@ def run_once(mode: str, catalog: Catalog, work_dir: Path, timeout: float) -> Run
         held = [m for m in IDS if residency(process.url)[m] == "resident"]
         if held:
             raise RuntimeError(f"not cold: {held} still resident after the unload")
+        if spare:
+            spare_ready(process, timeout)
         cold = first_token_seconds(process.url, catalog.request_names[second], timeout)
 
+        if spare:
+            spare_ready(process, timeout)
         before = catalog_report(process)["swaps"]
         evicting = first_token_seconds(process.url, catalog.request_names[first], timeout)
         report = catalog_report(process)
@@ -228,18 +252,22 @@ def run_once(mode: str, catalog: Catalog, work_dir: Path, timeout: float) -> Run
 
 
 def measure(
-    modes: tuple[str, ...], runs: int, catalog: Catalog, timeout: float, progress: bool = True
+    variants: list[Variant],
+    runs: int,
+    catalog: Catalog,
+    timeout: float,
+    progress: bool = True,
 ) -> list[ModeResult]:
-    results = {mode: ModeResult(mode) for mode in modes}
+    results = {variant: ModeResult(variant_name(variant)) for variant in variants}
     with tempfile.TemporaryDirectory(prefix="catalog-bench-") as work:
         for number in range(runs):
-            for mode in modes:
-                run = run_once(mode, catalog, Path(work), timeout)
-                results[mode].runs.append(run)
+            for variant in variants:
+                run = run_once(variant, catalog, Path(work), timeout)
+                results[variant].runs.append(run)
                 if progress:
                     waking = "" if run.waking is None else f", waking {run.waking:.1f} s"
                     print(
-                        f"run {number + 1}/{runs} {mode}: boot {run.boot:.1f} s, cold first "
+                        f"run {number + 1}/{runs} {variant_name(variant)}: boot {run.boot:.1f} s, cold first "
                         f"token {run.cold:.1f} s, while evicting {run.evicting:.1f} s{waking}",
                         file=sys.stderr,
                         flush=True,
@@ -321,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="stand-in engines (tools/bench/fake_engine.py), one run: a smoke run in seconds",
     )
+    parser.add_argument(
+        "--no-spare", action="store_true", help="leave out the gateways with a spare engine"
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds one step may take")
     args = parser.parse_args(argv)
     if args.model is not None and len(args.model) != 2:
@@ -332,8 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     catalog.stand_in = args.quick
     catalog.sleep = args.sleep
     modes = tuple(args.mode) if args.mode else MODES
+    # A spare runs vLLM's own API server: the stand-in engines have none.
+    spares = (False,) if args.no_spare or args.quick else (False, True)
+    variants = [(mode, spare) for mode in modes for spare in spares]
     runs = 1 if args.quick else max(args.runs, 1)
-    results = measure(modes, runs, catalog, args.timeout)
+    results = measure(variants, runs, catalog, args.timeout)
     engines = "stand-in engines" if args.quick else "real engines"
     sleep = ", sleep mode on" if args.sleep else ""
     print(

@@ -32,6 +32,8 @@ from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.logs import redact_urls
 from loragate.settings import Settings
 from loragate.settings.catalog import CatalogModel
+from loragate.supervisor.command import engine_base_env
+from loragate.supervisor.spare import spare_engines
 from loragate.supervisor.states import EngineSnapshot, EngineState
 
 log = logging.getLogger("loragate.gateway")
@@ -131,12 +133,16 @@ class CatalogEntry:
 class CatalogBackend:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        # One spare engine for whichever model boots next (loragate.supervisor.spare).
+        self.spares = spare_engines(settings, models=len(settings.models))
         self.entries = {
             model_id: CatalogEntry(
                 model_id,
                 entry,
                 SupervisedEngineBackend(
-                    model_settings(settings, model_id, entry), notify_systemd=False
+                    model_settings(settings, model_id, entry),
+                    notify_systemd=False,
+                    spares=self.spares,
                 ),
             )
             for model_id, entry in settings.models.items()
@@ -164,6 +170,9 @@ class CatalogBackend:
                 task = asyncio.create_task(self._preload(entry), name=f"preload-{entry.id}")
                 self._preloads.add(task)
                 task.add_done_callback(self._preloads.discard)
+        if self.spares is not None and not self._preloads:
+            # Nothing boots now: the first request's model takes the spare.
+            self.spares.replenish(engine_base_env())
         self._ttl_task = asyncio.create_task(self._unload_idle(), name="catalog-ttl")
 
     async def stop(self) -> None:

@@ -46,6 +46,7 @@ from loragate.supervisor.client import EngineClient
 from loragate.supervisor.command import EngineSpec
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 from loragate.supervisor.process import GatewayLock, tree_rss_bytes
+from loragate.supervisor.spare import SpareEngines, spare_engines
 from loragate.supervisor.states import EngineSnapshot, EngineState
 from loragate.supervisor.systemd import SystemdNotifier, extend_start_while, watchdog_loop
 
@@ -56,12 +57,20 @@ class SupervisedEngineBackend:
     # With --adapters-manifest: what converges this gateway's adapters on the fleet's.
     fleet: FleetReconciler | None = None
 
-    def __init__(self, settings: Settings, *, notify_systemd: bool = True) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        notify_systemd: bool = True,
+        spares: SpareEngines | None = None,
+    ) -> None:
         self.settings = settings
         self.cache_dir = settings.cache_dir.expanduser().resolve()
         self.base_name = settings.served_model_name
+        # A catalog's, shared by its models; a lone model's own when it asks for one.
+        self.spares = spares if spares is not None else spare_engines(settings, models=1)
         self.supervisor = EngineSupervisor(
-            self._engine_spec, cache_dir=self.cache_dir, timings=settings
+            self._engine_spec, cache_dir=self.cache_dir, timings=settings, spares=self.spares
         )
         self.supervisor.queue_size = settings.queue_size
         self.engine = EngineClient(self.supervisor)
@@ -107,6 +116,8 @@ class SupervisedEngineBackend:
         ``boot`` False, only prepare: ``load`` boots it later (a catalog's cold model)."""
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
+        if self.spares is not None:
+            await asyncio.to_thread(self.spares.end_stale)
         self._boot_when_prepared = boot
         self._bootstrap_task = asyncio.create_task(self._bootstrap(), name="engine-bootstrap")
         self._start_notes = asyncio.create_task(
@@ -130,6 +141,8 @@ class SupervisedEngineBackend:
         if self.manager is not None:
             await self.manager.aclose()
         await self.supervisor.stop()
+        if self.spares is not None:
+            await asyncio.to_thread(self.spares.close)
         await self.engine.aclose()
         await self.proxy.aclose()
         self._lock.release()
@@ -479,6 +492,7 @@ class SupervisedEngineBackend:
             "cpu_lora_ops": self.cpu_lora_ops,
             "base_routing": "zero-adapter" if self.zero_adapter else "direct",
             "rss_bytes": rss,
+            "spare_engine": self.spares.report() if self.spares is not None else None,
         }
 
     async def restart_engine(self) -> EngineSnapshot:
