@@ -51,14 +51,14 @@ def owned_flags_in(args: Iterable[str]) -> list[tuple[str, str]]:
     return found
 
 
-def check_engine_args(args: Iterable[str]) -> None:
-    """Raise ``ValueError`` naming each loragate-owned flag in ``args`` and what to use."""
+def check_engine_args(args: Iterable[str], where: str = "engine arguments after `--`") -> None:
+    """Raise ``ValueError`` naming each loragate-owned flag in ``args`` (``where`` says which
+    arguments those are) and what to use."""
     owned = owned_flags_in(args)
     if owned:
         lines = [f"{spelled}: {OWNED_FLAGS[flag]}" for spelled, flag in owned]
         raise ValueError(
-            "engine arguments after `--` may not set what loragate sets itself:\n    "
-            + "\n    ".join(lines)
+            f"{where} may not set what loragate sets itself:\n    " + "\n    ".join(lines)
         )
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
+from loragate.engine_flags import check_engine_args
+
 # A catalog id is what clients send as ``model``: the adapters' name rule (no '@' or '/').
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -60,6 +62,13 @@ class CatalogModel(BaseModel):
     @classmethod
     def _one_string_is_a_list(cls, value: object) -> object:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("engine_args")
+    @classmethod
+    def _engine_args_leave_loragates_flags(cls, value: list[str]) -> list[str]:
+        # --model, --port, --enable-lora, ...: what the catalog sets for each model's engine.
+        check_engine_args(value, where="a model's engine_args")
+        return value
 
     @field_validator("resolvers")
     @classmethod

@@ -451,14 +451,16 @@ class EngineSupervisor:
         # Off the loop: building the spec verifies every boot adapter's SHA-256 (boot_modules).
         spec = await asyncio.to_thread(self._build_spec, socket_path, api_key)
         self._served_name = spec.served_name
-        self._boot_env = engine_env(spec)
+        argv, env = engine_argv(spec), engine_env(spec)
+        self._boot_env = dict(env)
+        spare = self._spares.take(argv, env) if self._spares is not None else None
         self._process.spawn(
-            engine_argv(spec),
-            self._boot_env,
+            argv,
+            env,
             grace=self.timings.stop_timeout,
             log_to_stderr=spec.log_to_stderr,
             log_max_bytes=spec.log_max_bytes,
-            spares=self._spares,
+            taken=spare.proc if spare is not None else None,
         )
         self.endpoint = EngineEndpoint(str(socket_path), api_key)
 

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 import psutil
 
@@ -31,9 +31,6 @@ from loragate.logs import hide_secrets
 from loragate.supervisor.command import redacted, secret_values
 from loragate.supervisor.failure import ExitInfo, exit_future
 from loragate.supervisor.output import EngineLogFile, EngineOutput
-
-if TYPE_CHECKING:
-    from loragate.supervisor.spare import SpareEngines
 
 # A lock and pid file under the cache dir: one gateway per cache dir, and no stale engines.
 #
@@ -389,29 +386,28 @@ class EngineProcess:
         grace: float,
         log_to_stderr: bool,
         log_max_bytes: int,
-        spares: SpareEngines | None = None,
+        taken: subprocess.Popen[bytes] | None = None,
     ) -> None:
         """Start ``argv`` under the launcher, which gives the engine ``grace`` seconds to stop,
-        or hand it to the waiting spare of ``spares`` (``loragate.supervisor.spare``) when that
-        one serves it; its output goes through a pipe to the log file (rotated past
-        ``log_max_bytes``) and, when ``log_to_stderr``, to the gateway's stderr."""
-        env["LORAGATE_PARENT_PID"] = str(os.getpid())
+        or adopt ``taken``, a spare engine's launcher that was handed this boot (with its tag
+        in ``env``: ``loragate.supervisor.spare``); its output goes through a pipe to the log
+        file (rotated past ``log_max_bytes``) and, when ``log_to_stderr``, to the gateway's
+        stderr."""
         self._log_file.max_bytes = log_max_bytes
         self._log_file.start_boot()
         # The engine may print its arguments (vLLM does, and argparse quotes a bad one): its
         # secrets are hidden in every log line and tail shown from now on (``loragate.logs``).
         hide_secrets(secret_values(argv))
-        spare = spares.take(argv, env) if spares is not None else None
-        if spare is not None:
-            tag = spare.tag
+        if taken is not None:
+            tag = env[ENGINE_TAG]
             log.info(
-                "engine boot taken by the spare engine (launcher pid %s, spawned %.0f s ago): %s",
-                spare.proc.pid,
-                time.monotonic() - spare.spawned_at,
+                "engine boot (spare engine's launcher pid %s): %s",
+                taken.pid,
                 " ".join(redacted(argv)),
             )
-            self._proc = spare.proc
+            self._proc = taken
         else:
+            env["LORAGATE_PARENT_PID"] = str(os.getpid())
             tag = env[ENGINE_TAG] = new_tag()
             launcher = [sys.executable, "-m", "loragate.supervisor.launcher"]
             launcher += ["--grace", f"{grace:g}", "--", *argv]

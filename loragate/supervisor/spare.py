@@ -176,7 +176,6 @@ class SpareEngines:
             self._end(spare)
             return None
         env[ENGINE_TAG] = spare.tag
-        env.pop("LORAGATE_PARENT_PID", None)  # the launcher's, read when it started
         order = json.dumps({"args": argv[3:], "env": env}) + "\n"
         assert spare.proc.stdin is not None
         try:
@@ -187,6 +186,11 @@ class SpareEngines:
             return None
         self._pidfile.clear()
         self.taken += 1
+        log.info(
+            "the spare engine (launcher pid %s, spawned %.0f s ago) takes this boot",
+            spare.proc.pid,
+            time.monotonic() - spare.spawned_at,
+        )
         return spare
 
     def close(self) -> None:

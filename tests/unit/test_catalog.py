@@ -453,3 +453,13 @@ def test_a_one_model_gateway_refuses_a_per_base_manifest() -> None:
     assert set(parse_fleet_manifest(data, "alpha").adapters) == {"a"}
     with pytest.raises(FleetManifestError, match="no part for base model 'beta'"):
         parse_fleet_manifest(data, "beta")
+
+
+@pytest.mark.parametrize("flag", [["--port", "9000"], ["--max-loras=4"], ["--enable-lora"]])
+def test_a_models_engine_args_may_not_set_what_loragate_sets(flag: list[str]) -> None:
+    with pytest.raises(ValueError) as raised:
+        Settings(models={"a": {"model": "/m", "engine_args": [*flag, "--max-model-len", "2048"]}})
+    message = str(raised.value)
+    assert "models.a.engine_args" in message
+    assert "a model's engine_args may not set what loragate sets itself" in message
+    assert flag[0].split("=")[0] in message

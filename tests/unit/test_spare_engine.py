@@ -108,7 +108,7 @@ def test_the_order_carries_the_boots_arguments_and_environment_under_the_spares_
 ) -> None:
     spares = SpareEngines(tmp_path, python=sys.executable, grace=5)
     spare = spares._spare = waiting(ENV)
-    env = {**ENV, "VLLM_API_KEY": "k", ENGINE_TAG: "boot-tag", "LORAGATE_PARENT_PID": "1"}
+    env = {**ENV, "VLLM_API_KEY": "k", ENGINE_TAG: "boot-tag"}
     taken = spares.take(ARGV, env)
     assert taken is spare
     assert spares.waiting is None and spares.taken == 1
@@ -118,7 +118,6 @@ def test_the_order_carries_the_boots_arguments_and_environment_under_the_spares_
     assert order["args"] == ARGV[3:]
     assert order["env"][ENGINE_TAG] == "spare-tag"  # the sweep finds the spare's processes
     assert order["env"]["VLLM_API_KEY"] == "k"
-    assert "LORAGATE_PARENT_PID" not in order["env"]
     assert env[ENGINE_TAG] == "spare-tag"  # what the boot records as its tag
 
 
