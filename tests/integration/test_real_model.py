@@ -13,13 +13,17 @@ import ast
 import asyncio
 import concurrent.futures
 import json
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from loragate.base_model.vi_runs import vi_run_preset
+from loragate.base_model.vi_tasks import VI_TASKS
 from loragate.demo.layout import (
     SMOLLM_ADAPTERS,
     SMOLLM_DEMO_MODEL_NAME,
@@ -29,6 +33,7 @@ from loragate.demo.layout import (
 )
 from tests.gateway_process import GatewayProcess
 from tests.readme_blocks import ROOT, blocks_of, run_block
+from tests.unit.test_vi_runs import flow_run_json
 
 pytestmark = pytest.mark.engine
 
@@ -166,6 +171,43 @@ def test_vi_shape_reaches_the_real_model(demo: GatewayProcess) -> None:
     )
     assert response.status_code == 200, response.text
     assert "Paris" in response.json()["choices"][0]["message"]["content"]
+
+
+def test_a_phrase_grounding_vi_run_added_by_the_admin_api_answers_in_its_tasks_schema(
+    demo: GatewayProcess, tmp_path: Path
+) -> None:
+    """A Datature Vi run directory (a phrase-grounding ``run.json``, the demo's ``signed``
+    adapter as its ``model_adapter``) put through ``PUT /admin/adapters`` as it was downloaded:
+    its preset is the run's, read as the Vi SDK reads it (issue 27), and on a real instruct model
+    the task's output schema, enforced by constrained decoding, gives an answer that validates
+    against the schema Vi's parsers read (``vi/inference/task_types/phrase_grounding.py``)."""
+    info = flow_run_json("phrase-grounding")
+    run = tmp_path / "vi-run"
+    (run / "model_full").mkdir(parents=True)
+    (run / "model_full" / "run.json").write_text(json.dumps(info))
+    shutil.copytree(demo_adapter_dir(default_smollm_demo_dir(), "signed"), run / "model_adapter")
+    put = demo.admin("PUT", "/admin/adapters/vi-grounding", json={"source": str(run)})
+    assert put.status_code == 200, put.text
+    try:
+        shown = httpx.get(f"{demo.url}/v1/models/vi-grounding", timeout=30).json()["preset"]
+        assert shown == vi_run_preset(info)
+        task = VI_TASKS["phrase-grounding"]
+        answer = httpx.post(
+            f"{demo.url}/v1/chat/completions",
+            json={
+                "model": "vi-grounding",
+                "messages": [
+                    {"role": "user", "content": "A black cat sits to the left of a red box."}
+                ],
+                "max_tokens": 400,
+            },
+            timeout=300,
+        )
+        assert answer.status_code == 200, answer.text
+        content = answer.json()["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(content), task.schema or {})
+    finally:
+        demo.admin("DELETE", "/admin/adapters/vi-grounding")
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)

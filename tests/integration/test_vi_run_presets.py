@@ -8,6 +8,9 @@ made for the test: no download, no credentials); the other runs are added one af
 through the admin API from what ``served_vi_run`` prepares (the adapter with the run's preset
 as its ``loragate.json``). The witness that a prompt reached the model is the engine's own
 count of the prompt it rendered (``usage.prompt_tokens``, against ``POST /tokenize``).
+That a phrase-grounding run's answer validates against its task's schema needs a model that
+writes sense (this one's weights are random): tests/integration/test_real_model.py checks it
+on SmolLM2, the run put through the admin API.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import jsonschema
 import pytest
 
 from loragate.base_model.vi_runs import served_vi_run, vi_run_preset
@@ -143,19 +145,6 @@ def test_the_cached_phrase_grounding_run_is_served_as_vi_serves_it(
 ) -> None:
     check_run(vi_gateway, CACHED_RUN, flow_run_json("phrase-grounding"), image)
     assert "from the Vi SDK's cache" in vi_gateway.log_path.read_text()
-
-
-@pytest.mark.xfail(
-    strict=False,
-    reason="the tiny demo's random weights write the caption string on past max_tokens, and "
-    "this xgrammar lets a raw newline into it; a trained model closes it",
-)
-def test_a_phrase_grounding_answer_validates_against_the_tasks_schema(
-    vi_gateway: GatewayProcess, image: str
-) -> None:
-    answer = usage(vi_gateway, {"model": CACHED_RUN, "source": image, "max_tokens": 600})
-    content = answer["choices"][0]["message"]["content"]
-    jsonschema.validate(json.loads(content), VI_TASKS["phrase-grounding"].schema or {})
 
 
 @pytest.mark.parametrize("task", OTHER_TASKS)

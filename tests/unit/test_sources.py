@@ -599,10 +599,26 @@ def tinker_sdk(monkeypatch: pytest.MonkeyPatch) -> Any:
     return tinker
 
 
-def _tinker_routes(router: Any) -> None:
+def training_run(user_metadata: dict[str, str] | None) -> dict[str, Any]:
+    """``GET /api/v1/training_runs/RUN`` as Tinker answers it (``tinker.types.TrainingRun``)."""
+    return {
+        "training_run_id": "run-1",
+        "base_model": "Qwen/Qwen3-8B",
+        "model_owner": "someone",
+        "is_lora": True,
+        "lora_rank": 8,
+        "last_request_time": "2026-01-02T00:00:00Z",
+        "user_metadata": user_metadata,
+    }
+
+
+def _tinker_routes(router: Any, user_metadata: dict[str, str] | None = None) -> None:
     # The SDK asks for its client config first; turning pyqwest off keeps it on httpx (respx).
     router.post(f"{TINKER_BASE}/api/v1/client/config").respond(
         200, json={"use_pyqwest_transport": False}
+    )
+    router.get(f"{TINKER_BASE}/api/v1/training_runs/run-1").respond(
+        200, json=training_run(user_metadata)
     )
     router.post(f"{TINKER_BASE}/api/v1/client/dynamic_config").respond(404, json={"detail": "none"})
     router.get(f"{TINKER_BASE}/api/v1/training_runs/run-1/checkpoints").respond(
@@ -636,6 +652,35 @@ def test_tinker_latest_sampler_checkpoint_is_fetched_through_the_real_sdk(
     assert marker is not None and marker.startswith(
         "tinker://run-1/sampler_weights/000020@2026-01-02"
     )
+    assert detect_format(fetched.path) == "tinker"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "user_metadata, renderer",
+    [({"renderer_name": "qwen3"}, "qwen3"), ({"other": "x"}, None), (None, None)],
+    ids=["named", "other-metadata", "no-metadata"],
+)
+def test_a_tinker_runs_renderer_comes_with_the_checkpoint(
+    tinker_sdk: Any,
+    peft_dir: Path,
+    tmp_path: Path,
+    user_metadata: dict[str, str] | None,
+    renderer: str | None,
+) -> None:
+    """tinker-cookbook records the renderer a run trained with as ``renderer_name`` in the
+    training run's ``user_metadata`` (``checkpoint_utils.py``); it travels with the fetch."""
+    archive = make_tinker_archive(peft_dir, tmp_path / "ckpt.tar", tmp_path)
+    with _respx() as router:
+        _tinker_routes(router, user_metadata)
+        router.get(
+            f"{TINKER_BASE}/api/v1/training_runs/run-1/checkpoints/sampler_weights/000010/archive"
+        ).respond(302, headers={"Location": "https://storage.test/ckpt.tar?sig=1"})
+        router.get("https://storage.test/ckpt.tar").respond(200, content=archive.read_bytes())
+        fetched = fetch_source(
+            "tinker://run-1/sampler_weights/000010", tmp_path / "dest", progress=False
+        )
+    assert fetched.renderer == renderer
     assert detect_format(fetched.path) == "tinker"
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from loragate.adapters.intake.pipeline import sidecar_preset
+from loragate.adapters.errors import AdapterError
+from loragate.adapters.intake.pipeline import sidecar_preset, vi_run_preset_of
 from loragate.adapters.preset import Preset
 from loragate.base_model.vi_runs import (
     VI_SDK_MODELS_DIR,
@@ -441,3 +442,29 @@ def test_a_full_fine_tune_answers_to_its_run_id_and_to_run_base() -> None:
     named = Settings(run_id="run_full", model_name="inspector")
     assert named.served_model_aliases == {"run_full": "inspector"}
     assert Settings(run_id="run_full", model_name="run_full").served_model_aliases == {}
+
+
+def test_a_run_put_as_an_adapter_source_brings_its_run_json_preset(
+    peft_dir: Path, tmp_path: Path
+) -> None:
+    """``PUT /admin/adapters`` of a downloaded run (the pipeline's ``vi_run_preset_of``): the
+    preset ``--run-id`` would serve, and an adapter's own ``loragate.json`` wins over it."""
+    info = flow_run_json("phrase-grounding", system_prompt="Ground it.")
+    run = write_run(tmp_path / "run_put", info, peft_dir)
+    expected = Preset.from_dict(vi_run_preset(info), parameter_rules)
+    assert vi_run_preset_of(run, "the run", parameter_rules) == expected
+    (run / "model_adapter" / "loragate.json").write_text(json.dumps({"preset": {"stop": ["X"]}}))
+    own = vi_run_preset_of(run, "the run", parameter_rules)
+    assert own is not None and own.stop == ("X",) and own.system_prompt is None
+
+
+def test_a_run_put_without_run_json_has_no_preset_and_a_bad_one_is_a_clear_error(
+    peft_dir: Path, tmp_path: Path
+) -> None:
+    run = write_run(tmp_path / "run_none", flow_run_json("vqa"), peft_dir)
+    (run / "model_full" / "run.json").unlink()
+    assert vi_run_preset_of(run, "the run", parameter_rules) is None
+    (run / "model_full" / "run.json").write_text(json.dumps(flow_run_json("no-such-task")))
+    with pytest.raises(AdapterError, match=r"the run: .*no-such-task") as raised:
+        vi_run_preset_of(run, "the run", parameter_rules)
+    assert raised.value.code == "invalid_preset"

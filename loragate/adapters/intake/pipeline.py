@@ -11,6 +11,7 @@ entry's ``preset``), else the ``preset`` of a ``loragate.json`` beside the adapt
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import shutil
@@ -23,6 +24,15 @@ from loragate.adapters.preset import ParameterRules, Preset, PresetError
 from loragate.adapters.progress import report_stage
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore, StoredAdapter, StoreError, tree_digest
+from loragate.base_model.vi_runs import (
+    VI_ADAPTER_DIRNAME,
+    VI_FULL_DIRNAME,
+    VI_RUN_INFO,
+    ViRunError,
+    is_vi_run,
+    vi_run_layout,
+    vi_run_preset,
+)
 from loragate.logs import redact_urls
 
 log = logging.getLogger("loragate.adapters")
@@ -116,6 +126,11 @@ class AdapterPipeline:
         peft_dir = fetched.path
         if preset is None:
             preset = sidecar_preset(fetched.path, f"adapter from {source}", self.preset_rules)
+        if preset is None and is_vi_run(fetched.path):
+            preset = vi_run_preset_of(fetched.path, f"Vi run from {source}", self.preset_rules)
+        if fetched.renderer is not None and (preset is None or preset.renderer is None):
+            # The chat format the source says it was trained with (a Tinker run's).
+            preset = dataclasses.replace(preset or Preset(), renderer=fetched.renderer)
         source_digest: str | None = None
         try:
             fmt = detect_format(fetched.path)
@@ -185,6 +200,20 @@ def sidecar_preset(directory: Path, what: str, rules: ParameterRules | None) -> 
         return Preset.from_dict(record.get("preset") or {}, rules) or None
     except PresetError as exc:
         raise AdapterError(f"{what}: {SIDECAR_FILENAME}: {exc}", code="invalid_preset") from None
+
+
+def vi_run_preset_of(run_dir: Path, what: str, rules: ParameterRules | None) -> Preset | None:
+    """A Datature Vi run's preset, as ``--run-id`` serves it: its adapter's own
+    ``loragate.json``, else its ``run.json`` read as the Vi SDK reads it (``vi_run_preset``);
+    None for a run that has no ``run.json``."""
+    own = sidecar_preset(run_dir / VI_ADAPTER_DIRNAME, what, rules)
+    if own is not None or not (run_dir / VI_FULL_DIRNAME / VI_RUN_INFO).is_file():
+        return own
+    try:
+        _, _, info = vi_run_layout(run_dir)
+        return Preset.from_dict(vi_run_preset(info), rules) or None
+    except (ViRunError, PresetError) as exc:
+        raise AdapterError(f"{what}: {exc}", code="invalid_preset") from None
 
 
 # What validation found out about the weights, kept with every version of them.

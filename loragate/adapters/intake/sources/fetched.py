@@ -23,6 +23,9 @@ class FetchedSource:
     provenance: Provenance
     etag: str | None = None
     commit: str | None = None
+    # The chat format the adapter was trained with, where the source says (a Tinker run's
+    # ``renderer_name``): the version's preset carries it when nothing else names one.
+    renderer: str | None = None
 
 
 @dataclass(frozen=True)

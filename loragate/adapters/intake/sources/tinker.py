@@ -4,6 +4,7 @@ newest checkpoint of the path's kind (for ``latest``) or the named checkpoint's 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -27,7 +28,11 @@ from loragate.adapters.intake.sources.fetched import (
 from loragate.adapters.intake.sources.url import fetch_archive_url
 from loragate.adapters.provenance import Provenance
 
+log = logging.getLogger("loragate.adapters")
+
 TINKER_EXTRA_HINT = "pip install 'loragate[tinker]'"
+# Where tinker-cookbook records a run's renderer, in the training run's user_metadata.
+TINKER_RENDERER_KEY = "renderer_name"
 TINKER_DEFAULT_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"
 TINKER_SEGMENTS = {
     "sampler_weights": "sampler",
@@ -71,7 +76,29 @@ def fetch_tinker(source: str, dest: Path, progress: bool, limits: FetchLimits) -
         url = _tinker_archive_url(rest, path)
         root, _ = fetch_archive_url(url, path, dest, progress, limits)
     marker = _tinker_marker(checkpoints, source, name)
-    return FetchedSource(root, "tinker", Provenance(source, revision=path, fingerprint=marker))
+    return FetchedSource(
+        root,
+        "tinker",
+        Provenance(source, revision=path, fingerprint=marker),
+        renderer=_tinker_renderer(rest, run),
+    )
+
+
+def _tinker_renderer(rest: Any, run: str) -> str | None:
+    """The renderer (chat format) the run was trained with: the ``renderer_name`` that
+    tinker-cookbook puts in the training run's ``user_metadata``
+    (``tinker_cookbook/checkpoint_utils.py``: ``RENDERER_NAME_METADATA_KEY``); None when the
+    run does not say, or cannot be asked (the weights are fetched all the same)."""
+    if not hasattr(rest, "get_training_run"):
+        return None
+    try:
+        training_run = _tinker_result(rest.get_training_run(run))
+    except Exception as exc:  # the SDK's own errors: the renderer is a nicety, not the adapter
+        log.info("Tinker run %s: no training run metadata (%s)", run, exc)
+        return None
+    metadata = getattr(training_run, "user_metadata", None) or {}
+    renderer = metadata.get(TINKER_RENDERER_KEY) if isinstance(metadata, dict) else None
+    return renderer if isinstance(renderer, str) and renderer.strip() else None
 
 
 def tinker_fingerprint(source: str) -> str | None:
