@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import PlainTextResponse
 
 from loragate.gateway.app import create_app
-from loragate.gateway.backends.engine_metrics import relabel_engine_metrics
+from loragate.gateway.backends.engine_metrics import merge_catalog_metrics, relabel_engine_metrics
 from loragate.gateway.backends.supervised import AnyVersionRename
 from loragate.settings import Settings
 from tests.backend_double import ProxiedBackend, adapter_stats, engine_snapshot, serving
@@ -93,3 +93,31 @@ def test_samples_without_labels_get_the_component_label() -> None:
     assert relabel_engine_metrics(text, None) == (
         b'# TYPE up gauge\nup{component="engine"} 1.0\nempty{component="engine"} 2\n'
     )
+
+
+def test_a_catalogs_engines_merge_into_one_valid_exposition() -> None:
+    """Two engines' series (the same families, the same labels but for the model) under one
+    HELP and TYPE each, told apart by ``catalog_model``."""
+    histogram = (
+        "# HELP vllm:e2e_request_latency_seconds Latency.\n"
+        "# TYPE vllm:e2e_request_latency_seconds histogram\n"
+        'vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="M"} 1.0\n'
+        'vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="M"} 2.0\n'
+        'vllm:e2e_request_latency_seconds_count{model_name="M"} 2.0\n'
+        'vllm:e2e_request_latency_seconds_sum{model_name="M"} 1.5\n'
+    )
+    texts = {
+        model_id: relabel_engine_metrics(
+            (ENGINE_TEXT + histogram).replace('model_name="base"', 'model_name="M"').encode(), None
+        )
+        for model_id in ("alpha", "beta")
+    }
+    merged = merge_catalog_metrics(texts).decode()
+    assert merged.count("# TYPE vllm:num_requests_running gauge") == 1
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    running = families["vllm:num_requests_running"].samples
+    assert sorted(s.labels["catalog_model"] for s in running) == ["alpha", "beta"]
+    assert all(s.labels["component"] == "engine" for s in running)
+    latency = families["vllm:e2e_request_latency_seconds"].samples
+    assert len(latency) == 8 and {s.labels["catalog_model"] for s in latency} == {"alpha", "beta"}
+    assert "process_open_fds" not in merged  # the gateway's own, as for one engine

@@ -27,6 +27,7 @@ from starlette.responses import Response
 
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
 from loragate.gateway.backends.base import EngineCall
+from loragate.gateway.backends.engine_metrics import merge_catalog_metrics
 from loragate.gateway.backends.supervised import SupervisedEngineBackend
 from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.logs import redact_urls
@@ -554,6 +555,19 @@ class CatalogBackend:
             "lora or adapter_dir in the config file",
             code="adapter_not_found" if not adding else "ambiguous_base_model",
         )
+
+    async def engine_metrics(self) -> bytes | None:
+        """Every serving engine's own /metrics (``vllm:*``), each sample labelled with its
+        ``catalog_model``; None when no engine serves."""
+        scraped = await asyncio.gather(
+            *(entry.backend.engine_metrics() for entry in self.entries.values())
+        )
+        found = {
+            entry.id: text
+            for entry, text in zip(self.entries.values(), scraped, strict=True)
+            if text
+        }
+        return merge_catalog_metrics(found) if found else None
 
     def engine_snapshot(self) -> EngineSnapshot:
         """The default model's engine (what reads one engine: the log tail, /health's uptime)."""

@@ -49,16 +49,47 @@ def relabel_engine_metrics(text: bytes, rename: Callable[[bytes], bytes] | None)
 
 
 def _with_component(sample: bytes) -> bytes:
+    return _with_label(sample, _COMPONENT)
+
+
+def _with_label(sample: bytes, label: bytes) -> bytes:
     brace = sample.find(b"{")
     space = sample.find(b" ")
     if brace != -1 and (space == -1 or brace < space):
         closing = sample.find(b"}", brace)
         if closing == brace + 1:  # name{} value
-            return sample[: brace + 1] + _COMPONENT + sample[closing:]
-        return sample[: brace + 1] + _COMPONENT + b"," + sample[brace + 1 :]
+            return sample[: brace + 1] + label + sample[closing:]
+        return sample[: brace + 1] + label + b"," + sample[brace + 1 :]
     if space == -1:
         return sample
-    return sample[:space] + b"{" + _COMPONENT + b"}" + sample[space:]
+    return sample[:space] + b"{" + label + b"}" + sample[space:]
+
+
+def merge_catalog_metrics(expositions: dict[str, bytes]) -> bytes:
+    """A catalog's engines' relabelled expositions (by model id) as one: every sample also
+    carries ``catalog_model="ID"`` (two engines' process-wide series would be the same series
+    otherwise), and each family's ``# HELP`` and ``# TYPE`` come once, its samples from every
+    engine after them, as the exposition format asks."""
+    families: dict[bytes, tuple[list[bytes], list[bytes]]] = {}  # name -> (header, samples)
+    for model_id, text in expositions.items():
+        label = b'catalog_model="' + model_id.encode() + b'"'
+        current: bytes | None = None
+        for line in text.splitlines():
+            if not line:
+                continue
+            if line.startswith(b"#"):
+                parts = line.split(b" ", 3)
+                if len(parts) >= 3 and parts[1] in (b"HELP", b"TYPE"):
+                    current = parts[2]
+                    header, _ = families.setdefault(current, ([], []))
+                    if not any(seen.split(b" ", 2)[1] == parts[1] for seen in header):
+                        header.append(line)
+                continue
+            name = line.split(b"{", 1)[0].split(b" ", 1)[0]
+            family = current if current is not None and name.startswith(current) else name
+            families.setdefault(family, ([], []))[1].append(_with_label(line, label))
+    out = [line for header, samples in families.values() for line in (*header, *samples)]
+    return b"\n".join(out) + b"\n" if out else b""
 
 
 # vLLM's KV-cache use, a fraction (1 is full); the older name before vLLM 0.10.
