@@ -198,3 +198,24 @@ def test_video_input_is_read_from_the_models_config() -> None:
     assert config_takes_video({"text_config": {"video_token_index": 3}})  # LLaVA OneVision
     assert not config_takes_video(IMAGE_MODEL)
     assert not config_takes_video({"architectures": ["LlamaForCausalLM"]})
+
+
+async def test_an_openai_video_part_to_a_model_that_takes_no_video_is_a_400_naming_it(
+    tmp_path: Path, media_dir: Path
+) -> None:
+    encoded = base64.b64encode(video_bytes("mp4")).decode()
+    video = {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{encoded}"}}
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": [{"type": "text", "text": "What happens?"}, video]},
+    ]
+    error = await refused({"messages": messages}, settings_for(tmp_path, media_dir, IMAGE_MODEL))
+    assert error.param == "messages[1].content[1]" and error.code == "video_unsupported"
+    assert "takes no video" in error.message
+    # A video model gets the part as it was sent (inline data: the engine decodes it).
+    other = tmp_path / "video-model"  # another directory: verdicts are kept per model
+    other.mkdir()
+    request = await normalize_chat_request(
+        {"messages": messages}, settings_for(other, media_dir, VIDEO_MODEL)
+    )
+    assert request["messages"][1]["content"][1] == video

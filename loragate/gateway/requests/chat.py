@@ -100,6 +100,8 @@ async def normalize_chat_request(payload: dict[str, Any], settings: Settings) ->
     budget = ImageBudget(settings.max_body_bytes)
     if has_vi:
         await _check_vi_video(body["messages"], settings, budget)
+    else:
+        _refuse_video_parts(body["messages"], settings)
     try:
         await _check_messages(
             body["messages"],
@@ -140,6 +142,28 @@ async def _check_vi_video(
     part["video_url"]["url"] = await media_policy_of(settings).video(
         part["video_url"]["url"], "source", budget
     )
+
+
+def _refuse_video_parts(messages: Any, settings: Settings) -> None:
+    """OpenAI's ``video_url`` parts: a 400 naming the first when the model's config has no
+    video input (as for a Vi video ``source``), before the engine is asked."""
+    if not isinstance(messages, list):
+        return  # _check_messages says what is wrong with it
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for at, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "video_url":
+                if model_takes_video(settings) is not False:
+                    return
+                raise _bad(
+                    f"messages[{index}].content[{at}] is a video, but {settings.model} takes no "
+                    "video (its config.json names no video input). Send images, or serve a "
+                    "video model.",
+                    param=f"messages[{index}].content[{at}]",
+                    code="video_unsupported",
+                )
 
 
 async def _check_messages(
