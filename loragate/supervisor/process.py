@@ -162,10 +162,6 @@ def set_child_subreaper() -> bool:
 ENGINE_TAG = "LORAGATE_ENGINE_TAG"
 
 
-def new_tag() -> str:
-    return secrets.token_hex(8)
-
-
 def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """Wait up to ``timeout`` for ``procs`` to end; those still running. A zombie counts as
     gone. Never reaps: psutil's own wait would reap a child of ours (the launcher) before its
@@ -312,6 +308,25 @@ class BootMark:
     started: float
 
 
+def spawn_launcher(
+    argv: list[str], env: dict[str, str], grace: float, *, stdin: int
+) -> subprocess.Popen[bytes]:
+    """``argv`` under the launcher (``loragate.supervisor.launcher``), which gives it ``grace``
+    seconds to stop, in a session of its own, its output on one pipe; ``env`` gets the boot's
+    new tag (``ENGINE_TAG``) and this gateway's pid (its launcher dies with it)."""
+    env["LORAGATE_PARENT_PID"] = str(os.getpid())
+    env[ENGINE_TAG] = secrets.token_hex(8)
+    launcher = [sys.executable, "-m", "loragate.supervisor.launcher", "--grace", f"{grace:g}"]
+    return subprocess.Popen(
+        [*launcher, "--", *argv],
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+
+
 class EngineProcess:
     """The launcher of the current boot (at most one at a time) and what is known of it."""
 
@@ -407,19 +422,9 @@ class EngineProcess:
             )
             self._proc = taken
         else:
-            env["LORAGATE_PARENT_PID"] = str(os.getpid())
-            tag = env[ENGINE_TAG] = new_tag()
-            launcher = [sys.executable, "-m", "loragate.supervisor.launcher"]
-            launcher += ["--grace", f"{grace:g}", "--", *argv]
             log.info("spawning engine: %s", " ".join(redacted(argv)))
-            self._proc = subprocess.Popen(
-                launcher,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+            self._proc = spawn_launcher(argv, env, grace, stdin=subprocess.DEVNULL)
+            tag = env[ENGINE_TAG]
         assert self._proc.stdout is not None
         self._output = EngineOutput(self._proc.stdout, self._log_file, to_stderr=log_to_stderr)
         self._output.start()

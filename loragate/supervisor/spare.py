@@ -35,7 +35,7 @@ import psutil
 
 from loragate.settings import Settings
 from loragate.supervisor.command import ENGINE_MODULE
-from loragate.supervisor.process import ENGINE_TAG, EnginePidFile, kill_tree_now, new_tag
+from loragate.supervisor.process import ENGINE_TAG, EnginePidFile, kill_tree_now, spawn_launcher
 
 log = logging.getLogger("loragate.supervisor")
 
@@ -148,18 +148,9 @@ class SpareEngines:
         if self.waiting is not None:
             return
         env = {name: value for name, value in env.items() if name != "VLLM_API_KEY"}
-        env["LORAGATE_PARENT_PID"] = str(os.getpid())
-        tag = env[ENGINE_TAG] = new_tag()
-        launcher = [sys.executable, "-m", "loragate.supervisor.launcher", "--grace"]
-        launcher += [f"{self.grace:g}", "--", self.python, "-m", SPARE_MODULE]
-        proc = subprocess.Popen(
-            launcher,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        argv = [self.python, "-m", SPARE_MODULE]
+        proc = spawn_launcher(argv, env, self.grace, stdin=subprocess.PIPE)
+        tag = env[ENGINE_TAG]
         self._pidfile.write(proc.pid, tag)
         self._spare = SpareEngine(proc, tag, self.python, env, time.monotonic())
         log.info(
