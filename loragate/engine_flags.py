@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 # vLLM flag -> what to do instead: the `gateway serve` option to pass (before `--`), if any.
 OWNED_FLAGS: dict[str, str] = {
+    "--model": "use --model (before `--`; a catalog model's own `model`): the gateway prepares and checks it",
     "--port": "use --port (the gateway's port; the engine listens on a private socket)",
     "--host": "use --host (the gateway's address; the engine listens on a private socket)",
     "--uds": "not needed: the gateway puts the engine on a private socket of its own",

@@ -455,7 +455,9 @@ def test_a_one_model_gateway_refuses_a_per_base_manifest() -> None:
         parse_fleet_manifest(data, "beta")
 
 
-@pytest.mark.parametrize("flag", [["--port", "9000"], ["--max-loras=4"], ["--enable-lora"]])
+@pytest.mark.parametrize(
+    "flag", [["--port", "9000"], ["--max-loras=4"], ["--enable-lora"], ["--model", "/x"]]
+)
 def test_a_models_engine_args_may_not_set_what_loragate_sets(flag: list[str]) -> None:
     with pytest.raises(ValueError) as raised:
         Settings(models={"a": {"model": "/m", "engine_args": [*flag, "--max-model-len", "2048"]}})

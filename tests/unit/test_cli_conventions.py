@@ -88,6 +88,8 @@ def test_unknown_options_and_stray_arguments_before_the_separator_are_errors(
         ("--allowed-local-media-path", "use --allowed-media-dir"),
         ("--uds", "not needed"),
         ("--tool-call-parser", "use --tool-call-parser"),
+        # vLLM's argparse keeps the last: the engine would serve another model under this name.
+        ("--model", "use --model (before `--`"),
     ],
 )
 def test_loragate_owned_engine_flags_after_the_separator_are_refused_with_the_flag_to_use(
