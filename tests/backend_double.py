@@ -166,7 +166,6 @@ class ManagedBackendDouble(RecordingBackend, SupervisedEngineBackend):
         self.memory_plan = None  # what /admin/engine reports beside the supervisor's info
         self.cpu_lora_ops = False
         self.zero_adapter = False
-        self.spares = None  # no spare engine (/admin/engine's spare_engine is null)
         self.starts = 0
         self.stops = 0
 

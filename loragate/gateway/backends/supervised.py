@@ -56,6 +56,9 @@ log = logging.getLogger("loragate.gateway")
 class SupervisedEngineBackend:
     # With --adapters-manifest: what converges this gateway's adapters on the fleet's.
     fleet: FleetReconciler | None = None
+    # A catalog's spare engines, shared by its models, or a lone model's own when it asks
+    # for one (``loragate.supervisor.spare``).
+    spares: SpareEngines | None = None
 
     def __init__(
         self,
@@ -67,7 +70,6 @@ class SupervisedEngineBackend:
         self.settings = settings
         self.cache_dir = settings.cache_dir.expanduser().resolve()
         self.base_name = settings.served_model_name
-        # A catalog's, shared by its models; a lone model's own when it asks for one.
         self.spares = spares if spares is not None else spare_engines(settings, models=1)
         self.supervisor = EngineSupervisor(
             self._engine_spec, cache_dir=self.cache_dir, timings=settings, spares=self.spares
