@@ -1,6 +1,6 @@
 """``gateway serve``: check what can be checked before the engine starts (the settings, the
 engine arguments after ``--``, the tool-call parser, the machine, the port), then run the
-gateway under uvicorn. Every option but --config is a ``Settings`` field (``cli_options``)."""
+gateway on its own server (``loragate.gateway.server``). Every option but --config is a ``Settings`` field (``cli_options``)."""
 
 from __future__ import annotations
 
@@ -123,31 +123,19 @@ def serve(
     except KeyConfigError as exc:
         fail(str(exc), USAGE)
         return
-    import uvicorn
+    from loragate.gateway.server.serve import StartupFailed, serve_app
 
-    from loragate.gateway.server_options import server_options
-    from loragate.gateway.uvicorn_fit import UnfitUvicorn
-
-    try:
-        options = server_options(asgi)
-    except UnfitUvicorn as exc:
-        fail(str(exc), FAILURE)
-        return
     # What is alive now (modules, the app) lives as long as the process: out of the
     # collector's sight, a collection walks only what requests allocate (a gen-1 pass takes
     # about 0.6 ms instead of 1 ms, and a full one no longer walks ~70k objects).
     gc.collect()
     gc.freeze()
-    uvicorn.run(
-        asgi,
-        **options,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=int(settings.drain_timeout) or None,
-        access_log=False,
-        log_config=None,
-    )
+    try:
+        serve_app(asgi, settings)
+    except StartupFailed as exc:
+        fail(f"the gateway could not start: {exc}", FAILURE)
+    except OSError as exc:
+        fail(f"cannot listen on {settings.host}:{settings.port}: {exc}", FAILURE)
 
 
 # Every option but --config (and the MODEL argument, --model's twin) is a Settings field:

@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="convert,fast"
+extras="convert"
 # The tests also drive the real Tinker and Vi SDKs (against local fakes, never the network).
 [ "${1:-}" = "--test" ] && extras="$extras,test,tinker,vi"
 
@@ -124,16 +124,6 @@ if [[ ",$extras," == *",test,"* ]]; then
     "${root[@]}" DEBIAN_FRONTEND=noninteractive apt-get -y -q install systemd \
       || echo "==> could not install systemd: the systemd-analyze tests will be skipped"
   fi
-fi
-
-if [[ ",$extras," == *",test,"* ]]; then
-  # The fast path and the connection guard are tested on the installed uvicorn and, from
-  # these folders, on the oldest pyproject.toml allows and the newest the index has
-  # (tests/unit/test_uvicorn_range.py).
-  lowest="$(sed -n 's/.*"uvicorn>=\([0-9.]*\)".*/\1/p' pyproject.toml)"
-  rm -rf "$venv/uvicorn-lowest" "$venv/uvicorn-newest"
-  "${pip[@]}" install -q --no-deps --target "$venv/uvicorn-lowest" "uvicorn==$lowest"
-  "${pip[@]}" install -q --no-deps --upgrade --target "$venv/uvicorn-newest" uvicorn
 fi
 
 echo "$stamp" > "$stamp_file"

@@ -24,7 +24,7 @@ from loragate.gateway.app import create_app
 from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
 from loragate.gateway.backends.supervised import SupervisedEngineBackend
 from loragate.gateway.proxy import ProxyClient
-from loragate.gateway.server_options import server_options
+from loragate.gateway.server.serve import GatewayServer
 from loragate.settings import Settings
 from loragate.supervisor.states import EngineSnapshot, EngineState
 
@@ -269,26 +269,38 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving(app: FastAPI, *, as_served: bool = False) -> Iterator[str]:
-    """Run ``app`` under uvicorn on a free loopback port in a thread; yields its URL.
+    """Run ``app`` on a free loopback port in a thread; yields its URL.
 
-    ``as_served``: with the options ``gateway serve`` gives uvicorn (its hot-route protocol).
+    ``as_served``: on ``gateway serve``'s own server (``loragate.gateway.server``: its
+    connection limits, and its hot routes unless CORS is on); else under plain uvicorn, as an
+    embedding user would run ``create_server()``.
     """
     port = free_port()
-    options = server_options(app) if as_served else {}
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", **options
+    thread: threading.Thread
+    if as_served:
+        settings = app.state.gateway.settings
+        gateway = None if settings.cors_origins else app.state.gateway
+        server = GatewayServer(
+            app, settings, host="127.0.0.1", port=port, drain_timeout=5, gateway=gateway
         )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
+        thread = threading.Thread(target=lambda: server.run(install_signals=False), daemon=True)
+        started: Callable[[], bool] = server.started.is_set
+        stop: Callable[[], None] = server.request_stop
+    else:
+        plain = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        )
+        thread = threading.Thread(target=plain.run, daemon=True)
+        started = lambda: bool(plain.started)  # noqa: E731
+        stop = lambda: setattr(plain, "should_exit", True)  # noqa: E731
     thread.start()
     deadline = time.monotonic() + 10
-    while not server.started:
+    while not started():
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the in-process gateway did not start")
         time.sleep(0.02)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        server.should_exit = True
+        stop()
         thread.join(10)

@@ -99,8 +99,8 @@ class GatewayApp(FastAPI):
     """FastAPI, starting its backend on the first request when it got no lifespan events.
 
     The inference POST routes are plain Starlette routes here (no dependency solving); under
-    ``gateway serve`` they never reach this app: ``hot_protocol`` answers them on uvicorn's
-    connections (``server_options``).
+    ``gateway serve`` they never reach this app: ``server.hot_routes`` answers them on the
+    gateway server's own connections (``loragate/gateway/server/``).
     """
 
     lifecycle: BackendLifecycle | None = None

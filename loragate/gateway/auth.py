@@ -30,7 +30,7 @@ def _digest(key: str) -> bytes:
 
 
 class HasHeaders(Protocol):
-    """A request, as far as keys go: Starlette's, or the hot path's (``hot_protocol``)."""
+    """A request, as far as keys go: Starlette's, or the hot path's (``server.hot_routes``)."""
 
     @property
     def headers(self) -> Mapping[str, str]: ...

@@ -297,7 +297,7 @@ class RelayResponse(Response):
 
     This is the relay's transport-neutral interface, driven two ways:
 
-    - ``hot_protocol`` drives it on uvicorn's connections without ASGI: ``pipe(write)`` passes
+    - ``server.hot_routes`` drives it on the gateway server's connections without ASGI: ``pipe(write)`` passes
       the whole stream to the connection's ``write``, ``hold`` and ``release`` pause and resume
       the upstream while the client's socket is full (flow control), ``abort`` cuts the
       upstream when the client leaves and ``close`` gives the connection back;

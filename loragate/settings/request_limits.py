@@ -58,6 +58,17 @@ class RequestLimitFields(BaseModel):
         ),
         json_schema_extra=serve_option(),
     )
+    body_deadline: float = Field(
+        default=120.0,
+        gt=0,
+        description=(
+            "Seconds a request body may take in all, from the end of its headers to its last "
+            "byte, however steadily it arrives (time the gateway spends not reading is not "
+            "counted); then a 408 and a close. Bounds how long a body sent a byte at a time "
+            "holds a --limit-concurrency slot."
+        ),
+        json_schema_extra=serve_option(),
+    )
     write_timeout: float = Field(
         default=60.0,
         gt=0,

@@ -61,5 +61,8 @@ class SupervisionFields(BaseModel):
     drain_timeout: float = Field(
         default=30.0,
         ge=0,
-        description="Seconds requests in flight at shutdown have to finish.",
+        description=(
+            "Seconds requests in flight at shutdown have to finish (0: none waited for; a "
+            "second SIGTERM or SIGINT stops waiting)."
+        ),
     )

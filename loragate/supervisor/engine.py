@@ -280,12 +280,17 @@ class EngineSupervisor:
     def snapshot(self) -> EngineSnapshot:
         """The supervision as it is now, as one frozen value (what routes and metrics read)."""
         last_exit = self.last_exit
+        state, reason, pid = self.state, self.reason, self.engine_pid
+        if state in SERVING and pid is None:
+            # Never "ready" without a live API server: its exit is being noticed right now.
+            state = EngineState.UNHEALTHY
+            reason = "the engine's API server is not running; the supervisor is ending this boot"
         return EngineSnapshot(
-            state=self.state,
-            reason=self.reason,
+            state=state,
+            reason=reason,
             since=self.state_since,
             boot_progress=self.boot_progress,
-            pid=self.engine_pid,
+            pid=pid,
             launcher_pid=self.launcher_pid,
             uptime_s=self._process.uptime_s,
             restarts=self.restarts,

@@ -32,7 +32,7 @@ import sys
 
 import psutil
 
-from loragate.supervisor.process import set_child_subreaper, set_parent_death_signal
+from loragate.supervisor.process import REPORT_FD, set_child_subreaper, set_parent_death_signal
 
 PARENT_DIED = signal.SIGUSR1
 DEFAULT_GRACE = 20.0
@@ -121,7 +121,12 @@ def main(argv: list[str]) -> int:
     if expected_parent and os.getppid() != expected_parent:
         os.killpg(group, signal.SIGKILL)
 
+    report = os.environ.pop(REPORT_FD, None)
     engine = subprocess.Popen(engine_argv, preexec_fn=lambda: _engine_preexec(me))
+    if report is not None:  # the supervisor learns the API server's pid from us, not a guess
+        with contextlib.suppress(OSError, ValueError):
+            os.write(int(report), b"%d\n" % engine.pid)
+            os.close(int(report))
 
     def forward(signum: int, frame: object) -> None:
         # os.kill, not Popen.send_signal: that would reap the engine (poll), which only

@@ -308,23 +308,68 @@ class BootMark:
     started: float
 
 
-def spawn_launcher(
-    argv: list[str], env: dict[str, str], grace: float, *, stdin: int
-) -> subprocess.Popen[bytes]:
+REPORT_FD = "LORAGATE_LAUNCHER_REPORT_FD"
+"""The launcher's environment names the pipe on which it reports the pid it spawned."""
+
+
+class Launcher(subprocess.Popen[bytes]):
+    """The launcher process, and the pid of the API server it spawned, as it reported it.
+
+    Known, not guessed: the launcher writes its ``Popen``'s pid on a pipe of its own
+    (``REPORT_FD``) as soon as the engine exists. Its other children (orphans it adopted as a
+    subreaper, a helper that came first) are never taken for the API server.
+    """
+
+    report_fd = -1  # the pipe's read end, until the report is read
+    _api_server: int | None = None
+
+    def api_server_pid(self) -> int | None:
+        """The pid the launcher spawned (None until it reported it; read without blocking)."""
+        if self._api_server is None and self.report_fd >= 0:
+            try:
+                data = os.read(self.report_fd, 64)
+            except BlockingIOError:
+                return None
+            except OSError:
+                data = b""
+            self.close_report()  # a whole report, or the end of a launcher that made none
+            with contextlib.suppress(ValueError):
+                self._api_server = int(data.split()[0]) if data.strip() else None
+        return self._api_server
+
+    def close_report(self) -> None:
+        if self.report_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.report_fd)
+            self.report_fd = -1
+
+
+def spawn_launcher(argv: list[str], env: dict[str, str], grace: float, *, stdin: int) -> Launcher:
     """``argv`` under the launcher (``loragate.supervisor.launcher``), which gives it ``grace``
     seconds to stop, in a session of its own, its output on one pipe; ``env`` gets the boot's
     new tag (``ENGINE_TAG``) and this gateway's pid (its launcher dies with it)."""
     env["LORAGATE_PARENT_PID"] = str(os.getpid())
     env[ENGINE_TAG] = secrets.token_hex(8)
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
     launcher = [sys.executable, "-m", "loragate.supervisor.launcher", "--grace", f"{grace:g}"]
-    return subprocess.Popen(
-        [*launcher, "--", *argv],
-        stdin=stdin,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
+    try:
+        proc = Launcher(
+            [*launcher, "--", *argv],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**env, REPORT_FD: str(write_end)},
+            start_new_session=True,
+            pass_fds=(write_end,),
+        )
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+    proc.report_fd = read_end
+    return proc
 
 
 class EngineProcess:
@@ -334,9 +379,7 @@ class EngineProcess:
         self._log_file = EngineLogFile(log_path, max_bytes=0)  # sized by each spawn
         self._output: EngineOutput | None = None
         self._pidfile = EnginePidFile(cache_dir)
-        self._proc: subprocess.Popen[bytes] | None = None
-        # (launcher pid, API server pid, its create time): see ``engine_pid``.
-        self._api_server: tuple[int, int, float] | None = None
+        self._proc: Launcher | None = None
         self._boot_mark: BootMark | None = None
         # Settles with the launcher's exit code; replaced by each spawn.
         self.exited: asyncio.Future[int] | None = None
@@ -349,26 +392,21 @@ class EngineProcess:
 
     @property
     def engine_pid(self) -> int | None:
-        """The vLLM API server's pid (the launcher's child), while that very process runs.
+        """The vLLM API server's pid, while that very process runs under this boot's launcher.
 
-        Remembered once found: when the API server dies, its own children (EngineCore,
-        workers) become the launcher's until it ends them, and must not pass for it.
+        The pid is the one the launcher reported spawning (``Launcher``); it counts only while
+        that process lives and is still the launcher's child (not a zombie, not a later
+        process that reused the number).
         """
-        if self._proc is None or self._proc.poll() is not None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
             return None
-        server = self._api_server
-        if server is None or server[0] != self._proc.pid:
-            with contextlib.suppress(psutil.Error):
-                children = psutil.Process(self._proc.pid).children()
-                if children:
-                    child = children[0]
-                    server = (self._proc.pid, child.pid, child.create_time())
-                    self._api_server = server
-            if server is None or server[0] != self._proc.pid:
-                return None
-        _, pid, created = server
+        pid = proc.api_server_pid()
+        if pid is None:
+            return None
         try:
-            if psutil.Process(pid).create_time() == created:
+            server = psutil.Process(pid)
+            if server.ppid() == proc.pid and server.status() != psutil.STATUS_ZOMBIE:
                 return pid
         except psutil.Error:
             pass
@@ -401,7 +439,7 @@ class EngineProcess:
         grace: float,
         log_to_stderr: bool,
         log_max_bytes: int,
-        taken: subprocess.Popen[bytes] | None = None,
+        taken: Launcher | None = None,
     ) -> None:
         """Start ``argv`` under the launcher, which gives the engine ``grace`` seconds to stop,
         or adopt ``taken``, a spare engine's launcher that was handed this boot (with its tag
@@ -464,6 +502,7 @@ class EngineProcess:
 
     def _record_exit(self) -> ExitInfo:
         assert self._proc is not None
+        self._proc.close_report()
         code = self._proc.poll()
         info = ExitInfo(returncode=code if code is not None else -9, at=time.time())
         self.last_exit = info

@@ -35,7 +35,13 @@ import psutil
 
 from loragate.settings import Settings
 from loragate.supervisor.command import ENGINE_MODULE
-from loragate.supervisor.process import ENGINE_TAG, EnginePidFile, kill_tree_now, spawn_launcher
+from loragate.supervisor.process import (
+    ENGINE_TAG,
+    EnginePidFile,
+    Launcher,
+    kill_tree_now,
+    spawn_launcher,
+)
 
 log = logging.getLogger("loragate.supervisor")
 
@@ -84,7 +90,7 @@ def import_time_env(env: dict[str, str]) -> dict[str, str]:
 class SpareEngine:
     """One spared launcher, waiting for its order."""
 
-    proc: subprocess.Popen[bytes]
+    proc: Launcher
     tag: str
     python: str
     env: dict[str, str]

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from tests.backend_double import ProxiedBackend, serving
-from tests.unit.test_hot_protocol import (
+from tests.unit.test_hot_routes import (
     AUTH,
     chat,
     connection,
@@ -72,6 +72,9 @@ def test_a_client_that_hangs_up_midway_has_its_generation_aborted_at_the_engine(
             )
             assert answer.status_code == 200
             assert answer.json()["choices"][0]["message"]["content"] == " x x"
+            # The fake engine sees a plain answer's end one token interval after writing it:
+            # the gateway's stop must not cut that connection first.
+            time.sleep(3 * engine.token_interval)
     assert list(engine.aborted) == ["left-early"]
 
 

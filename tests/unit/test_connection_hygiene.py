@@ -1,4 +1,4 @@
-"""Hostile connections against ``gateway serve``'s HTTP entry (``connection_guard``): real sockets
+"""Hostile connections against ``gateway serve``'s HTTP entry (``server.connection``): real sockets
 against the in-process gateway, as served (the hot protocol, or the guard alone with CORS on).
 
 Idle sockets are closed by the header deadline and do not fill ``limit_concurrency``; headers

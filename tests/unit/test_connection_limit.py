@@ -19,20 +19,20 @@ from typer.testing import CliRunner
 
 from loragate import cli
 from loragate.gateway.app import create_app
-from loragate.gateway.server_options import server_options
+from loragate.gateway.server.serve import GatewayServer
 from loragate.settings import Settings
 from tests.backend_double import RecordingBackend, free_port, serving, settings_for
 
 CHAT = {"model": "base", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def test_requests_are_bounded_by_default_by_the_protocol_not_by_uvicorn(tmp_path: Path) -> None:
+def test_requests_are_bounded_by_default_by_the_server_counting_requests(tmp_path: Path) -> None:
     default = Settings(cache_dir=tmp_path).limit_concurrency
     assert 64 <= default <= 4096
     app = create_app(settings_for(tmp_path), backend=RecordingBackend())
-    options = server_options(app)
-    assert "limit_concurrency" not in options  # uvicorn's would count idle sockets too
-    assert options["http"].limits.limit_concurrency == default
+    server = GatewayServer(app, app.state.gateway.settings)
+    assert server.state.limits.limit_concurrency == default
+    assert server.state.active == 0  # requests being answered, not sockets
 
 
 @pytest.mark.parametrize("extra", [[], ["--limit-concurrency", "7"]], ids=["default", "flag"])
@@ -40,7 +40,10 @@ def test_serve_gives_the_protocol_the_request_limit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str]
 ) -> None:
     captured: dict[str, Any] = {}
-    monkeypatch.setattr("uvicorn.run", lambda app, **options: captured.update(options))
+    monkeypatch.setattr(
+        "loragate.gateway.server.serve.serve_app",
+        lambda app, settings: captured.update(settings=settings),
+    )
     monkeypatch.setattr("gc.freeze", lambda: None)
     result = CliRunner().invoke(
         cli.app,
@@ -54,8 +57,7 @@ def test_serve_gives_the_protocol_the_request_limit(
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     expected = 7 if extra else Settings(cache_dir=tmp_path).limit_concurrency
-    assert "limit_concurrency" not in captured
-    assert captured["http"].limits.limit_concurrency == expected
+    assert captured["settings"].limit_concurrency == expected
 
 
 class HeldBackend(RecordingBackend):

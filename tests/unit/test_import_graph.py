@@ -152,4 +152,6 @@ def test_routes_reach_the_engine_and_adapters_only_through_a_backend() -> None:
     routes = {m for m in MODULES if m.startswith("loragate.gateway.routes")}
     assert {(m, t) for m in routes for t in GRAPH[m] if part(t) in below} == set()
     route_users = {m for m, targets in GRAPH.items() if targets & routes} - routes
-    assert route_users <= {"loragate.gateway.app", "loragate.gateway.hot_protocol"}, route_users
+    assert route_users <= {"loragate.gateway.app", "loragate.gateway.server.hot_routes"}, (
+        route_users
+    )

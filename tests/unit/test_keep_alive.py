@@ -16,7 +16,7 @@ import httpx
 import openai
 
 from loragate.gateway.app import create_app
-from loragate.gateway.server_options import KEEP_ALIVE_SECONDS, server_options
+from loragate.gateway.server.serve import KEEP_ALIVE_SECONDS, GatewayServer
 from tests.backend_double import RecordingBackend, serving, settings_for
 
 
@@ -62,11 +62,11 @@ def test_keep_alive_outlasts_the_clients_pool_expiry(tmp_path: Path) -> None:
     assert 2 * client_expiry <= KEEP_ALIVE_SECONDS
     assert KEEP_ALIVE_SECONDS <= 120  # idle connections still end, and free their slot
     app = create_app(settings_for(tmp_path), backend=RecordingBackend())
-    assert server_options(app)["timeout_keep_alive"] == KEEP_ALIVE_SECONDS
+    assert GatewayServer(app, app.state.gateway.settings).state.keep_alive == KEEP_ALIVE_SECONDS
 
 
 def test_an_idle_connection_is_still_served_after_the_client_expiry(tmp_path: Path) -> None:
-    """On the hot path as ``gateway serve`` runs it: answer, stay idle past 5 s (uvicorn's own
+    """On the hot path as ``gateway serve`` runs it: answer, stay idle past 5 s (uvicorn's default
     keep-alive would have closed the connection by then), answer again on the same socket."""
     app = create_app(settings_for(tmp_path), backend=RecordingBackend())
     with serving(app, as_served=True) as url:

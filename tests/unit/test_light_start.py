@@ -15,10 +15,10 @@ PROBE = """
 import json, sys
 from loragate import cli
 from loragate.gateway.app import create_app
-from loragate.gateway.server_options import server_options
+from loragate.gateway.server.serve import GatewayServer
 from loragate.settings import Settings
 app = create_app(Settings(upstream_url="http://127.0.0.1:9/v1"))
-server_options(app)
+GatewayServer(app, app.state.gateway.settings, gateway=app.state.gateway)
 print(json.dumps(sorted({name.split(".")[0] for name in sys.modules})))
 """
 

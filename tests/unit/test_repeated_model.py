@@ -88,7 +88,7 @@ def test_two_model_options_serve_a_catalog_of_both_through_the_real_command(
 
 
 def serve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str) -> tuple[Any, Any]:
-    """`gateway serve` for real up to uvicorn.run (which receives the app instead); the
+    """`gateway serve` for real up to its server (which receives the app instead); the
     settings it built the app from."""
     import loragate.gateway.app as gateway_app
 
@@ -100,7 +100,9 @@ def serve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str) -> tuple[
         return real_create_app(settings, *more, **options)
 
     monkeypatch.setattr(gateway_app, "create_app", create_app)
-    monkeypatch.setattr("uvicorn.run", lambda app, **options: seen.setdefault("app", app))
+    monkeypatch.setattr(
+        "loragate.gateway.server.serve.serve_app", lambda app, settings: seen.setdefault("app", app)
+    )
     monkeypatch.setattr("gc.freeze", lambda: None)
     result = CliRunner().invoke(
         cli.app, ["serve", "--port", "0", "--cache-dir", str(tmp_path / "cache"), *args]

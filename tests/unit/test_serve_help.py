@@ -188,11 +188,10 @@ def test_the_console_script_at_80_columns_shows_every_name_whole() -> None:
 
 @pytest.fixture
 def started(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """What `gateway serve` started: its settings and the app uvicorn was given (nothing
-    listens: uvicorn.run is replaced)."""
-    import uvicorn
-
+    """What `gateway serve` started: its settings and the app its server was given (nothing
+    listens: ``serve_app`` is replaced)."""
     import loragate.gateway.app as gateway_app
+    import loragate.gateway.server.serve as server
 
     seen: dict[str, Any] = {}
     real_create_app = gateway_app.create_app
@@ -202,7 +201,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         return real_create_app(settings, *args, **kwargs)
 
     monkeypatch.setattr(gateway_app, "create_app", create_app)
-    monkeypatch.setattr(uvicorn, "run", lambda asgi, **options: seen.setdefault("app", asgi))
+    monkeypatch.setattr(server, "serve_app", lambda asgi, settings: seen.setdefault("app", asgi))
     return seen
 
 

@@ -40,9 +40,11 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def serve(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str
 ) -> tuple[Result, dict[str, Any]]:
-    """`gateway serve` for real up to uvicorn.run (which receives the app instead)."""
+    """`gateway serve` for real up to its server (which receives the app instead)."""
     captured: dict[str, Any] = {}
-    monkeypatch.setattr("uvicorn.run", lambda app, **options: captured.update(app=app))
+    monkeypatch.setattr(
+        "loragate.gateway.server.serve.serve_app", lambda app, settings: captured.update(app=app)
+    )
     monkeypatch.setattr("gc.freeze", lambda: None)
     result = CliRunner().invoke(
         cli.app,

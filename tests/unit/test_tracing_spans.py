@@ -26,7 +26,7 @@ from loragate.gateway.tracing import outgoing_trace_headers
 from loragate.settings import Settings
 from loragate.supervisor.command import EngineSpec, engine_argv
 from tests.backend_double import ProxiedBackend, serving
-from tests.unit.test_hot_protocol import fake_engine
+from tests.unit.test_hot_routes import fake_engine
 from tools.bench.fake_engine import FakeEngine
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -64,8 +64,6 @@ def main() -> None:
     args = parser.parse_args()
     import uvicorn
 
-    from loragate.gateway.server_options import server_options
-
     app = build(
         args.upstream.rstrip("/"),
         os.environ.pop("LORAGATE_BENCH_UPSTREAM_KEY", None),
@@ -77,7 +75,8 @@ def main() -> None:
         port=args.port,
         log_level="warning",
         access_log=False,
-        **server_options(),
+        loop="uvloop",
+        http="httptools",
     )
 
 

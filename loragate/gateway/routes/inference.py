@@ -2,8 +2,7 @@
 
 The two POST routes are the hot path: the endpoints take the gateway, the request id and the
 JSON body, nothing from a framework. They are reached two ways, no more: under ``gateway
-serve``, straight from uvicorn's connections (``hot_protocol``, the one module that touches
-uvicorn's internals); on any other ASGI server (or with CORS on), through the router as
+serve``, straight from the gateway server's own connections (``server.hot_routes``); on any other ASGI server (or with CORS on), through the router as
 plain Starlette routes (FastAPI's dependency solving would cost a fifth of the gateway's time
 for nothing). Errors keep their OpenAI shape both ways. A client that leaves before its answer
 cancels it both ways too (here: ``unless_client_leaves``), which stops the engine's generation.
@@ -172,7 +171,7 @@ def _explain_pooling_engine(response: Response, path: str) -> Response:
 Endpoint = Callable[[Gateway, str, dict[str, Any]], Awaitable[Response]]
 
 # The hot routes (POST only): through the router on any ASGI server, and without ASGI at all
-# by ``hot_protocol`` under ``gateway serve``.
+# by ``server.hot_routes`` under ``gateway serve``.
 HOT_ROUTES: dict[str, Endpoint] = {
     "/v1/chat/completions": chat_completions,
     "/v1/completions": completions,

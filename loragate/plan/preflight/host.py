@@ -1,4 +1,4 @@
-"""What the gateway needs of its host: its port free to bind (the way uvicorn binds it; if not,
+"""What the gateway needs of its host: its port free to bind (the way its server binds it; if not,
 who holds it) and its cache directory (adapters, logs, the engine's socket) writable.
 """
 
@@ -37,22 +37,33 @@ def check_cache_dir(cache_dir: Path) -> PreflightProblem | None:
     return PreflightProblem("cache_dir", message)
 
 
-# TCP port checks that bind the way uvicorn does, so "free" here means uvicorn can bind it.
+# The one way the gateway binds its port (``gateway.server`` listens on ``bound_socket``), so
+# "free" here means the server can bind it.
 def _family(host: str) -> socket.AddressFamily:
-    # uvicorn's rule: an IPv6 literal contains ':'; anything else is bound as IPv4.
+    # An IPv6 literal contains ':'; anything else (a name included) is bound as IPv4.
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def bind_error(host: str, port: int) -> OSError | None:
-    """The error uvicorn would get binding ``host:port``, or None when the bind works.
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening), or the ``OSError`` of binding.
 
-    ``SO_REUSEADDR`` as uvicorn sets it: a port held only by TIME_WAIT connections counts as
-    free, one with a listening socket does not.
+    ``SO_REUSEADDR``: a port held only by TIME_WAIT connections counts as free, one with a
+    listening socket does not.
     """
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
     try:
-        with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_error(host: str, port: int) -> OSError | None:
+    """The error the gateway's server would get binding ``host:port``, or None when it binds."""
+    try:
+        bound_socket(host, port).close()
     except OSError as exc:
         return exc
     return None

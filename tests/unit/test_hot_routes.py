@@ -1,15 +1,15 @@
-"""The hot-route protocol: inference POSTs answered on uvicorn's connections without ASGI.
+"""The hot routes: inference POSTs answered on the gateway server's connections without ASGI.
 
-Everything here runs over real sockets against uvicorn in a thread, configured as
-``gateway serve`` configures it (``server_options(app)``), and where it matters side by side
-with the same app on plain uvicorn (the ASGI path), which must answer the same.
+Everything here runs over real sockets against ``gateway serve``'s own server in a thread
+(``serving(app, as_served=True)``), and where it matters side by side with the same app on
+plain uvicorn (the ASGI path, as an embedding user runs ``create_server()``), which must
+answer the same.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import http.client
 import io
 import logging
@@ -23,17 +23,14 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import Response, StreamingResponse
 
-from loragate.gateway import hot_protocol, uvicorn_fit
 from loragate.gateway.app import create_app
-from loragate.gateway.connection_guard import GuardedProtocol
-from loragate.gateway.server_options import server_options
+from loragate.gateway.server import hot_routes
 from loragate.http.connection import UpstreamConnection
 from loragate.settings import Settings
-from tests.backend_double import ProxiedBackend, RecordingBackend, free_port, serving
+from tests.backend_double import ProxiedBackend, RecordingBackend, serving
 from tools.bench.fake_engine import FakeEngine, start_server
 
 KEY = "inference-key"
@@ -46,15 +43,15 @@ def chat(model: str = "pong", **extra: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def hot_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The paths the hot protocol answered (so a test knows the hot path, not ASGI, ran)."""
+    """The paths the hot routes answered (so a test knows the hot path, not ASGI, ran)."""
     calls: list[str] = []
-    answer = hot_protocol.HotRouteProtocol._answer
+    answer = hot_routes.answer
 
-    async def counted(self: Any, cycle: Any, route: str, endpoint: Any) -> None:
-        calls.append(route)
-        await answer(self, cycle, route, endpoint)
+    async def counted(gateway: Any, exchange: Any, endpoint: Any) -> None:
+        calls.append(exchange.scope["path"])
+        await answer(gateway, exchange, endpoint)
 
-    monkeypatch.setattr(hot_protocol.HotRouteProtocol, "_answer", counted)
+    monkeypatch.setattr(hot_routes, "answer", counted)
     return calls
 
 
@@ -149,6 +146,7 @@ def _answer(url: str, path: str, headers: dict[str, str], body: bytes) -> tuple[
         sock.sendall(raw_request("POST", path, body, {**request_headers, **headers}))
         status, response_headers, content = read_response(shared)
     response_headers.pop("date", None)
+    response_headers.pop("server", None)  # uvicorn names itself; the gateway server does not
     return status, response_headers, orjson.loads(content)
 
 
@@ -182,64 +180,22 @@ def test_answers_carry_the_request_id_and_security_headers(
     assert hot_calls == ["/v1/chat/completions"]
 
 
-def test_the_installed_uvicorn_has_what_the_hot_path_builds_on() -> None:
-    # If a uvicorn upgrade fails this, gateway serve falls back to ASGI: see uvicorn_fit.
-    assert uvicorn_fit.fast_path_unfit() is None
-
-
-OUTER: contextvars.ContextVar[str] = contextvars.ContextVar("outer", default="fresh")
-
-
-class ContextEchoBackend(RecordingBackend):
-    """Answers with what ``OUTER`` holds in the task answering the request."""
-
-    async def forward(self, *args: Any, **kwargs: Any) -> Response:
-        return Response(orjson.dumps({"outer": OUTER.get()}), media_type="application/json")
-
-
-def _context_seen(tmp_path: Path, reset: bool, as_served: bool) -> str:
-    app = gateway_app(tmp_path, ContextEchoBackend())
-    options = server_options(app) if as_served else {}
-    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning",
-                            reset_contextvars=reset, **options)  # fmt: skip
-    server = uvicorn.Server(config)
-
-    def run() -> None:
-        OUTER.set("the server's")  # what a request task inherits unless it is reset
-        server.run()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        answer = httpx.post(f"http://127.0.0.1:{config.port}/v1/chat/completions",
-                            json=chat(), headers=AUTH, timeout=10)  # fmt: skip
-        return str(answer.json()["outer"])
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
-@pytest.mark.parametrize("reset", [False, True])
-def test_the_hot_path_honours_reset_contextvars_as_uvicorn_does(
-    tmp_path: Path, hot_calls: list[str], reset: bool
+def test_cors_keeps_every_route_on_the_asgi_path_behind_the_same_limits(
+    tmp_path: Path, hot_calls: list[str]
 ) -> None:
-    hot = _context_seen(tmp_path / "hot", reset, as_served=True)
-    assert hot_calls == ["/v1/chat/completions"]
-    assert hot == _context_seen(tmp_path / "asgi", reset, as_served=False)
-    assert hot == ("fresh" if reset else "the server's")
-
-
-def test_cors_keeps_every_route_on_the_asgi_path_behind_the_same_guard(tmp_path: Path) -> None:
-    plain = gateway_app(tmp_path / "a", RecordingBackend())
-    with_cors = gateway_app(tmp_path / "b", RecordingBackend(), cors_origins=["https://x"])
-    assert server_options(plain)["http"].__name__ == "HotRouteProtocol"
-    guarded = server_options(with_cors)["http"]
-    assert issubclass(guarded, GuardedProtocol)
-    assert not issubclass(guarded, hot_protocol.HotRouteProtocol)
-    assert server_options()["http"] == "httptools"  # no app: nothing to answer hot
+    app = gateway_app(tmp_path, RecordingBackend(), cors_origins=["https://x"], max_headers=12)
+    with serving(app, as_served=True) as url:
+        answer = httpx.post(
+            url + "/v1/chat/completions",
+            json=chat(),
+            headers={**AUTH, "Origin": "https://x"},
+            timeout=10,
+        )
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "https://x"  # via the app
+        crowded = {f"x-h{i}": "1" for i in range(14)}
+        assert httpx.get(url + "/health", headers=crowded, timeout=10).status_code == 431
+    assert hot_calls == []
 
 
 # ----- HTTP/1.1 on one connection -----------------------------------------------------------
