@@ -21,12 +21,9 @@ Every limit is counted here, as bytes arrive, before anything keeps them:
 - keep-alive: an idle connection is closed ``keep_alive`` seconds after its last answer.
 
 Refusals (400, 408, 431) leave as OpenAI-style JSON, then the connection lingers shortly,
-discarding what the client still sends, so the answer is not lost to a TCP reset. An answer
-given before its request's body was read (a 401, a 413) closes the connection the same way:
-the unread body is never parsed as a next request.
-
-Requests on one connection are answered one at a time, in order: a pipelined request waits
-(and the socket is not read) until the one before it is answered.
+discarding what the client still sends, so the answer is not lost to a TCP reset. After an
+early answer (a 401, a 413) the unread body is dropped (up to ``DRAIN_BYTES``, else a close):
+it is never parsed as a next request. Pipelined requests are answered one at a time, in order.
 """
 
 from __future__ import annotations
@@ -404,57 +401,21 @@ class Connection(asyncio.Protocol):
             state.note(
                 "busy", logging.WARNING, "%d requests at once (--limit-concurrency): a 503", limit
             )
-            work: Any = self._answer_busy(exchange)
+            work: Any = exchange.answer_busy(limit)
         elif state.gateway is not None and scope["method"] == "POST":
             hot = hot_routes.endpoint_for(scope["path"])
             work = (
                 hot_routes.answer(state.gateway, exchange, hot)
                 if hot is not None
-                else self._run_app(exchange)
+                else exchange.run_app(state.app)
             )
         else:
-            work = self._run_app(exchange)
+            work = exchange.run_app(state.app)
         task = self.loop.create_task(work)
         self.task = task
         self.task_is_hot = hot is not None
         state.tasks.add(task)
         task.add_done_callback(state.tasks.discard)
-
-    async def _run_app(self, exchange: Exchange) -> None:
-        try:
-            await self.state.app(exchange.scope, exchange.receive, exchange.send)
-        except BaseException as exc:
-            if exchange.disconnected and not isinstance(exc, asyncio.CancelledError):
-                return  # the client left: what the app made of that is nobody's answer
-            if not isinstance(exc, asyncio.CancelledError):
-                log.exception("the gateway failed answering %s", exchange.scope["path"])
-            if not exchange.response_started:
-                error = OpenAIError(500, "the gateway failed answering; see its log").response()
-                exchange.write_whole(500, error.raw_headers, bytes(error.body))
-            elif not exchange.response_complete:
-                self.transport.close()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-        else:
-            if not exchange.response_started:
-                log.error("the app returned without answering %s", exchange.scope["path"])
-                error = OpenAIError(500, "the gateway failed answering; see its log").response()
-                exchange.write_whole(500, error.raw_headers, bytes(error.body))
-            elif not exchange.response_complete:
-                log.error("the app returned before its answer to %s ended", exchange.scope["path"])
-                self.transport.close()
-
-    async def _answer_busy(self, exchange: Exchange) -> None:
-        error = OpenAIError(
-            503,
-            f"the gateway is answering {self.limits.limit_concurrency} requests, its limit "
-            "(--limit-concurrency); retry shortly",
-            code="concurrency_limit",
-            headers={"Retry-After": "1", "Connection": "close"},
-        )
-        exchange.keep_alive = False
-        response = error.response()
-        exchange.write_whole(503, response.raw_headers, bytes(response.body))
 
     def can_drain(self, exchange: Exchange) -> bool:
         """Whether the rest of ``exchange``'s unread body is small enough to read and drop

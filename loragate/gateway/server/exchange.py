@@ -13,15 +13,31 @@ request asked for it or its body was not read to the end, ``100 Continue`` once 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from loragate.gateway.errors import OpenAIError
 from loragate.gateway.security_headers import SECURITY_HEADERS
 
-if TYPE_CHECKING:
-    from loragate.gateway.server.connection import Connection
+log = logging.getLogger("loragate.gateway")
+
+
+class Connection(Protocol):
+    """What an exchange asks of its connection (``connection.Connection``)."""
+
+    transport: Any
+    write_paused: bool
+    relaying: Any  # a hot route's stream being relayed
+
+    def write(self, data: bytes) -> None: ...
+    async def drained(self) -> None: ...
+    def wants_body(self, exchange: Exchange) -> None: ...
+    def can_drain(self, exchange: Exchange) -> bool: ...
+    def answered(self, exchange: Exchange) -> None: ...
+
 
 SECURITY_LINES = b"".join(name + b": " + value + b"\r\n" for name, value in SECURITY_HEADERS)
 """The security headers, written out as header lines (for answers written without ASGI)."""
@@ -276,3 +292,43 @@ class Exchange:
         self.response_complete = True
         self.message_event.set()
         self.conn.answered(self)
+
+    # ----- running an answer ------------------------------------------------------------
+
+    async def run_app(self, app: Any) -> None:
+        """Answer with the ASGI ``app``; a failure before the answer starts is a 500."""
+        try:
+            await app(self.scope, self.receive, self.send)
+        except BaseException as exc:
+            cancelled = isinstance(exc, asyncio.CancelledError)
+            if self.disconnected and not cancelled:
+                return  # the client left: what the app made of that is nobody's answer
+            if not cancelled:
+                log.exception("the gateway failed answering %s", self.scope["path"])
+            self._fail()
+            if cancelled:
+                raise
+        else:
+            if not self.response_complete:
+                log.error("the app ended without a whole answer to %s", self.scope["path"])
+                self._fail()
+
+    def _fail(self) -> None:
+        if not self.response_started:
+            error = OpenAIError(500, "the gateway failed answering; see its log").response()
+            self.write_whole(500, error.raw_headers, bytes(error.body))
+        elif not self.response_complete:
+            self.conn.transport.close()  # half an answer: the client must not take it whole
+
+    async def answer_busy(self, limit: int) -> None:
+        """The 503 of a gateway answering ``limit`` requests (``--limit-concurrency``)."""
+        error = OpenAIError(
+            503,
+            f"the gateway is answering {limit} requests, its limit (--limit-concurrency); "
+            "retry shortly",
+            code="concurrency_limit",
+            headers={"Retry-After": "1", "Connection": "close"},
+        )
+        self.keep_alive = False
+        response = error.response()
+        self.write_whole(503, response.raw_headers, bytes(response.body))
