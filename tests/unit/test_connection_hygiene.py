@@ -2,14 +2,18 @@
 against the in-process gateway, as served (the hot protocol, or the guard alone with CORS on).
 
 Idle sockets are closed by the header deadline and do not fill ``limit_concurrency``; headers
-sent a byte at a time get a 408; a stalled body is closed; a client that never reads its stream
-is closed and its answer stopped being made; a huge header or too many headers get a 431 and
-cost the gateway no memory; one address may be held to a number of connections.
+sent a byte at a time get a 408; a stalled body is closed, and a trickled one is cut by the body
+deadline so it cannot hold a ``limit_concurrency`` slot; after an early 401 or 413 the
+connection stays in step (the unread body dropped, or a close); a client that never reads its
+stream is closed and its answer stopped being made; a huge header or too many headers get a 431
+and cost the gateway no memory, pipelined or not; one address may be held to a number of
+connections.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import select
 import socket
@@ -164,6 +168,82 @@ def test_a_stalled_body_is_closed_and_a_slow_but_moving_one_is_served(
     assert len(backend.forwarded) == 1
 
 
+def test_bodies_trickled_to_hold_every_slot_are_cut_by_the_body_deadline(
+    tmp_path: Path, cors: dict[str, Any]
+) -> None:
+    """Four clients send a byte every 0.3 s: never silent, so only the whole-body deadline
+    frees the four slots of ``--limit-concurrency 4`` (#33.3)."""
+    app = gateway(tmp_path, limit_concurrency=4, body_timeout=2.0, body_deadline=3.0, **cors)
+    stop = threading.Event()
+    with serving(app, as_served=True) as url:
+        tricklers = [socket.create_connection(address(url)) for _ in range(4)]
+
+        def trickle() -> None:
+            while not stop.is_set():
+                for sock in tricklers:
+                    with contextlib.suppress(OSError):
+                        sock.sendall(b" ")
+                time.sleep(0.3)
+
+        for sock in tricklers:
+            sock.sendall(raw_chat(b"", length=1000))
+        started = time.monotonic()
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        try:
+            time.sleep(1.0)
+            held = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=5)
+            assert held.status_code == 503, held.text  # the four hold every slot for now
+            assert httpx.get(f"{url}/health/live", timeout=5).status_code == 200
+            for sock in tricklers:
+                sock.settimeout(5)
+                status, headers, body = answer(sock)
+                assert status == 408 and headers["connection"] == "close"
+                assert orjson.loads(body)["error"]["code"] == "request_timeout"
+            assert 2.7 < time.monotonic() - started < 4.5  # the deadline, while still sending
+            freed = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=5)
+            assert freed.status_code == 200, freed.text
+        finally:
+            stop.set()
+            thread.join()
+            for sock in tricklers:
+                sock.close()
+
+
+def test_after_an_early_401_or_413_the_next_request_on_the_connection_is_answered(
+    tmp_path: Path, cors: dict[str, Any]
+) -> None:
+    """The unread body of an early answer is dropped, never parsed as the next request; past
+    1 MiB of it the answer says ``connection: close`` and the connection ends (#33.8)."""
+    app = gateway(tmp_path, api_key=["sk-right"], max_body_bytes=64 * 1024, **cors)
+    live = b"GET /health/live HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    keyed = b"Authorization: Bearer sk-right\r\n"
+    small = b'{"model": "base", "pad": "' + b"a" * 100_000 + b'"}'
+    with serving(app, as_served=True) as url:
+        for early, head_extra, body in [
+            (401, b"", small),  # no key: refused before the body is read
+            (413, keyed, small),  # over max_body_bytes, under the drain allowance
+        ]:
+            with socket.create_connection(address(url)) as sock:
+                head = raw_chat(b"", length=len(body)).replace(
+                    b"Host: localhost\r\n", b"Host: localhost\r\n" + head_extra
+                )
+                sock.sendall(head)
+                sock.settimeout(5)
+                status, _, _ = answer(sock)
+                assert status == early
+                sock.sendall(body + live)  # the body the client still sends, then a request
+                assert answer(sock)[0] == 200  # in step: the body was dropped, not parsed
+        with socket.create_connection(address(url)) as sock:
+            sock.sendall(raw_chat(b"", length=4 * 1024 * 1024))  # 4 MiB declared, no key
+            sock.settimeout(5)
+            status, headers, _ = answer(sock)
+            assert status == 401 and headers.get("connection") == "close"
+            with contextlib.suppress(OSError):
+                sock.sendall(b"x" * (2 * 1024 * 1024))
+            assert closed_within(sock, 5)
+
+
 # ----- a client that never reads ------------------------------------------------------------
 
 
@@ -264,6 +344,26 @@ def test_past_max_headers_a_431_and_at_it_an_answer(tmp_path: Path, cors: dict[s
             assert status == 431 and headers["connection"] == "close"
             assert orjson.loads(body)["error"]["code"] == "too_many_headers"
             assert closed_within(sock, 4)
+
+
+def test_a_pipelined_request_gets_a_header_budget_of_its_own(tmp_path: Path) -> None:
+    """A small request and a 127 KB header in one write: the second is a 431, not 200 on the
+    first request's unused budget (#33.9)."""
+    app = gateway(tmp_path)  # max_header_bytes: the default 64 KiB
+    first = b"GET /health/live HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    second = b"GET /health/live HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 127_000
+    with serving(app, as_served=True) as url, socket.create_connection(address(url)) as sock:
+        sock.sendall(first + second + b"\r\n\r\n")
+        sock.settimeout(5)
+        received = b""
+        while chunk := sock.recv(65536):  # both answers, then the close
+            received += chunk
+    answers = received.split(b"HTTP/1.1 ")[1:]
+    assert [a[:3] for a in answers] == [b"200", b"431"], received[:500]
+    assert b"\r\nconnection: close\r\n" in answers[1].lower()
+    assert orjson.loads(answers[1].partition(b"\r\n\r\n")[2])["error"]["code"] == (
+        "headers_too_large"
+    )
 
 
 # ----- one address, many connections --------------------------------------------------------

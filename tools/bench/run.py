@@ -1,6 +1,7 @@
 """The bench's command line and the order of its measurements.
 
-Two parts, each with the same targets side by side and the requests interleaved:
+Two parts (three with ``--fronts``), each with the same targets side by side and the
+requests interleaved:
 
 1. **engine**: the real engine. By default the bench runs ``gateway serve`` (the demo model,
    supervisor, adapter manager, zero-adapter routing: the product as shipped) with the engine
@@ -11,6 +12,8 @@ Two parts, each with the same targets side by side and the requests interleaved:
 2. **proxy**: the proxy alone, in front of ``fake_engine`` (answers at once), with the gateway
    and nginx on one CPU and the client and fake engine on the other: the added latency with
    nothing else going on, and the requests per second one core of gateway sustains.
+3. **fronts** (``--fronts``): the same gateway app on each HTTP front it could run on
+   (``tools/bench/fronts.py``): latency, throughput, memory and four hostile-client probes.
 
 Targets: ``direct`` (the engine itself), ``loragate``, ``nginx`` (keep-alive upstream: the
 floor a reverse proxy can reach) and ``asgi-floor`` (``minimal_proxy``: a bare ASGI app with
@@ -29,7 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -37,8 +40,20 @@ from urllib.parse import urlsplit
 import httpx
 
 from tools.bench import load
-from tools.bench.load import Block, Samples, Target, Workload
-from tools.bench.stats import Report, Summary, ms, quantile, signed_ms
+from tools.bench.fronts import FRONTS, fronts_part, installed
+from tools.bench.load import Target, Workload
+from tools.bench.stats import (
+    DIRECT,
+    HEADER,
+    ProcessWatch,
+    Report,
+    combine,
+    latency_table,
+    ms,
+    paired_added,
+    signed_ms,
+    throughput_table,
+)
 from tools.bench.targets import (
     EngineRecord,
     GatewayServe,
@@ -47,13 +62,13 @@ from tools.bench.targets import (
     Process,
     UpstreamGateway,
     nginx_available,
+    pinned,
     write_fake_model,
 )
 
-DIRECT, GATEWAY, NGINX, FLOOR = "direct", "loragate", "nginx", "asgi-floor"
+GATEWAY, NGINX, FLOOR = "loragate", "nginx", "asgi-floor"
 ZERO = "zero-adapt"
 VLLM_SERVER = ["-m", "vllm.entrypoints.openai.api_server"]
-HEADER = f"  {'conc':>4}  {'target':<10} {'n':>6} {'p50':>8} {'p90':>8} {'p99':>8}  {'+p50':>8} {'+p90':>8} {'+p99':>8}"
 
 
 @dataclass
@@ -78,6 +93,7 @@ class Options:
     proxy_rounds: int
     proxy_concurrency: int
     keep: bool
+    fronts: list[str] = field(default_factory=list)
 
 
 def parse(argv: list[str] | None) -> Options:
@@ -117,6 +133,9 @@ def parse(argv: list[str] | None) -> Options:
     add("--proxy-rounds", type=int, default=3000)
     add("--proxy-concurrency", type=int, default=32)
     add("--keep", action="store_true", help="Keep the temporary directory (logs).")
+    add("--fronts", default="", help="Also serve the gateway app on these HTTP fronts side by "
+        f"side ({', '.join(FRONTS)}, or all: those installed; `pip install granian hypercorn`) "
+        "in front of a fake engine: the HTTP fronts part.")  # fmt: skip
     args = parser.parse_args(argv)
     options = Options(
         url=args.url,
@@ -139,6 +158,7 @@ def parse(argv: list[str] | None) -> Options:
         proxy_rounds=args.proxy_rounds,
         proxy_concurrency=args.proxy_concurrency,
         keep=args.keep,
+        fronts=_fronts(args.fronts),
     )
     if args.quick:
         options.rounds_c1, options.rounds, options.ttft_rounds = 40, 3, 10
@@ -147,61 +167,16 @@ def parse(argv: list[str] | None) -> Options:
     return options
 
 
-# ----- watching the gateway process --------------------------------------------------------
-
-
-@dataclass
-class ProcessWatch:
-    """CPU time over the blocks aimed at one process, and its peak memory meanwhile."""
-
-    process: Process
-    target: str
-    cpu: float = 0.0
-    requests: int = 0
-    peak_rss: int = 0
-    _cpu_before: float = 0.0
-    _sampler: asyncio.Task[None] | None = None
-    per_block: list[float] = field(default_factory=list)
-
-    async def before(self, target: str) -> None:
-        if target != self.target:
-            return
-        self._cpu_before = self.process.cpu_seconds()
-        self._sampler = asyncio.get_running_loop().create_task(self._sample())
-
-    async def after(self, target: str) -> None:
-        if target != self.target:
-            return
-        spent = self.process.cpu_seconds() - self._cpu_before
-        self.cpu += spent
-        self.per_block.append(spent)
-        if self._sampler is not None:
-            self._sampler.cancel()
-            self._sampler = None
-
-    async def _sample(self) -> None:
-        while True:
-            with contextlib.suppress(Exception):
-                self.peak_rss = max(self.peak_rss, self.process.rss())
-            await asyncio.sleep(0.1)
-
-    def count(self, results: list[Block]) -> None:
-        self.requests += sum(b.requests for b in results if b.target == self.target)
-
-    def cpu_ms_per_1000(self) -> float:
-        return self.cpu / self.requests * 1e6 if self.requests else math.nan
-
-
-def combine(*watches: ProcessWatch) -> tuple[load.BlockHook, load.BlockHook]:
-    async def before(target: str) -> None:
-        for watch in watches:
-            await watch.before(target)
-
-    async def after(target: str) -> None:
-        for watch in watches:
-            await watch.after(target)
-
-    return before, after
+def _fronts(given: str) -> list[str]:
+    if given == "all":
+        return [front for front in FRONTS if installed(front)]
+    fronts = [front for front in given.split(",") if front]
+    for front in fronts:
+        if front not in FRONTS:
+            raise SystemExit(f"--fronts: unknown front {front!r} (one of {', '.join(FRONTS)})")
+        if not installed(front):
+            raise SystemExit(f"--fronts: {front} is not installed (pip install {front})")
+    return fronts
 
 
 class OverheadMeter:
@@ -228,80 +203,6 @@ class OverheadMeter:
         total, count = self._read()
         spent, requests = total - self._start[0], count - self._start[1]
         return spent / requests if requests else math.nan
-
-
-# ----- report sections ---------------------------------------------------------------------
-
-
-def latency_table(
-    report: Report, samples: Samples, concurrency: int, pick: str = "latency"
-) -> dict[str, Summary]:
-    summaries: dict[str, Summary] = {}
-    for name, values in samples.by_target.items():
-        series = [
-            getattr(s, pick) for s in values if s.status == 200 and getattr(s, pick) is not None
-        ]
-        summaries[name] = Summary.of(series)
-    direct = summaries.get(DIRECT)
-    for name, summary in summaries.items():
-        added = ""
-        if direct is not None and name != DIRECT:
-            added = (
-                f"  {signed_ms(summary.p50 - direct.p50):>8} {signed_ms(summary.p90 - direct.p90):>8} "
-                f"{signed_ms(summary.p99 - direct.p99):>8}"
-            )
-        errors = samples.errors.get(name, 0)
-        report.say(
-            f"  {concurrency:>4}  {name:<10} {summary.n:>6} {ms(summary.p50):>8} {ms(summary.p90):>8} "
-            f"{ms(summary.p99):>8}{added}" + (f"   ({errors} errors)" if errors else "")
-        )
-    return summaries
-
-
-def paired_added(samples: Samples, name: str, pick: str = "latency") -> float:
-    """Median of per-round differences (concurrency 1: sample i of each target is round i)."""
-    ours, direct = samples.by_target.get(name, []), samples.by_target.get(DIRECT, [])
-    pairs = [
-        getattr(a, pick) - getattr(b, pick)
-        for a, b in zip(ours, direct, strict=False)
-        if a.status == b.status == 200
-        and getattr(a, pick) is not None
-        and getattr(b, pick) is not None
-    ]
-    return quantile(pairs, 0.5) if pairs else math.nan
-
-
-def throughput_table(
-    report: Report, results: list[Block], concurrency: int, unit: str
-) -> dict[str, float]:
-    rates: dict[str, tuple[float, float, int]] = {}
-    for name in dict.fromkeys(b.target for b in results):
-        mine = [b for b in results if b.target == name]
-        seconds = sum(b.seconds for b in mine)
-        rates[name] = (
-            sum(b.requests for b in mine) / seconds,
-            sum(b.tokens for b in mine) / seconds,
-            sum(b.errors for b in mine),
-        )
-    direct = rates.get(DIRECT)
-    direct_blocks = [b.requests / b.seconds for b in results if b.target == DIRECT]
-    ratios: dict[str, float] = {}
-    for name, (rps, tps, errors) in rates.items():
-        ratio = rps / direct[0] if direct else math.nan
-        ratios[name] = ratio
-        token_ratio = tps / direct[1] if direct and direct[1] else math.nan
-        blocks = [b.requests / b.seconds for b in results if b.target == name]
-        spread = ""
-        if name != DIRECT and direct_blocks:
-            # Each round runs every target back to back: the ratio within a round shows the noise.
-            per_round = sorted(x / d for x, d in zip(blocks, direct_blocks, strict=False) if d)
-            spread = f"   per round x{quantile(per_round, 0.5):.2f} ({per_round[0]:.2f}..{per_round[-1]:.2f})"
-        report.say(
-            f"  {concurrency:>4}  {name:<10} {rps:>9.1f} req/s {tps:>9.1f} {unit}/s  "
-            f"x{ratio:.3f} (tokens x{token_ratio:.3f}){spread}"
-            + (f"   ({errors} errors)" if errors else "")
-        )
-    return ratios
 
 
 def machine_line() -> str:
@@ -552,19 +453,6 @@ async def measure_engine(
 # ----- part 2: the proxy alone ---------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def pinned(cpus: set[int] | None) -> Iterator[None]:
-    if not cpus:
-        yield
-        return
-    previous = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, previous)
-
-
 async def proxy_part(report: Report, options: Options, workdir: Path) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     proxy_cpus = {cpus[-1]} if len(cpus) > 1 else None
@@ -682,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             _run(engine_part(report, options, workdir))
         if options.proxy:
             _run(proxy_part(report, options, workdir))
+        if options.fronts:
+            _run(fronts_part(report, options, workdir, options.fronts))
     finally:
         if options.keep:
             report.say(f"logs kept in {workdir}")

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +51,19 @@ def _pinned(cpus: set[int] | None) -> Callable[[], None] | None:
         os.sched_setaffinity(0, cpus)
 
     return pin
+
+
+@contextlib.contextmanager
+def pinned(cpus: set[int] | None) -> Iterator[None]:
+    if not cpus:
+        yield
+        return
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
 
 
 @dataclass
@@ -213,7 +226,12 @@ class UpstreamGateway(Process):
     """``gateway serve --upstream-url URL``: the gateway in front of an engine it does not run."""
 
     def __init__(
-        self, workdir: Path, upstream: str, api_key: str | None, cpus: set[int] | None = None
+        self,
+        workdir: Path,
+        upstream: str,
+        api_key: str | None,
+        cpus: set[int] | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.port = free_port()
@@ -222,6 +240,7 @@ class UpstreamGateway(Process):
             "--port", str(self.port),
             "--cache-dir", str(workdir / "cache"),
             "--upstream-url", upstream,
+            *(extra_args or []),
         ]  # fmt: skip
         env = {"LORAGATE_LOG_LEVEL": "warning"}
         if api_key:
