@@ -1,10 +1,12 @@
 """CI's short soak: scripts/soak.py as a user runs it, 90 s instead of 20 minutes.
 
 Load on the base model and every demo adapter, swaps every 10 s, the hostile-input corpus
-every second, 128 idle and 4 slow-header attacker sockets held open the whole time, and one
-engine kill halfway; the script's verdict (no lost or misrouted request, every hostile request
-refused clearly with nothing fetched, every /health/live probe answered, every attacker socket
-closed within the header deadline, no adapter lost, RSS and descriptors flat) must pass.
+every second, 128 idle, 4 slow-header and 4 trickle-body attacker sockets held open the whole
+time, a 2 MB wide body every 2 s, five clients a second leaving mid-body, and one engine kill
+halfway; the script's verdict (no lost or misrouted request, every hostile request refused
+clearly with nothing fetched, every /health/live probe answered, every attacker socket closed
+within its deadline, every wide body answered in time, no 500 counted, no adapter lost, RSS
+and descriptors flat) must pass.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def test_a_short_soak_with_hostile_requests_and_an_engine_kill_passes(tmp_path: 
     result_file = tmp_path / "soak.json"
     argv = [sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration", "90"]
     argv += ["--concurrency", "3", "--swap-every", "10", "--hostile-every", "1"]
-    argv += ["--idle-sockets", "128", "--slow-headers", "4"]
+    argv += ["--idle-sockets", "128", "--slow-headers", "4", "--trickle-bodies", "4"]
     argv += ["--cache-dir", str(tmp_path / "cache"), "--json", str(result_file)]
     # Its own session, so that whatever happens here, the script and the gateway it started
     # end with the test (a timeout that killed only the script once left its gateway running).
@@ -57,3 +59,6 @@ def test_a_short_soak_with_hostile_requests_and_an_engine_kill_passes(tmp_path: 
     attack = result["attack"]
     assert attack["probes"] > 100 and not attack["probe_failures"], report
     assert len(attack["lifetimes"]["idle"]) > 128 and attack["lifetimes"]["slow_header"], report
+    assert len(attack["lifetimes"]["trickle_body"]) >= 4, report  # cut by the body deadline
+    assert len(attack["wide"]) > 10 and attack["departed"] > 100, report
+    assert attack["server_errors"] == 0, report

@@ -145,3 +145,43 @@ def test_a_gateway_that_never_closes_an_idle_socket_fails_the_soak() -> None:
     soak = result(ok(1.0), kill_at=None)
     soak.attack = attack(lifetimes={"slow_header": [10.0]}, open_at_end={"idle": 8})
     assert soak.problems() == ["the gateway never closed an idle connection"]
+
+
+def request_attack(**values: object) -> AttackResult:
+    """The request attackers too: trickled bodies, wide bodies, departing clients."""
+    plan = AttackPlan(
+        host="127.0.0.1", port=1, idle=8, slow_headers=2, head_deadline_s=20,
+        trickle_bodies=2, body_deadline_s=12, wide_model="loragate-demo", departing=True,
+    )  # fmt: skip
+    outcome = AttackResult(plan, probes=100, departed=40, server_errors=0)
+    outcome.lifetimes = {"idle": [10.2], "slow_header": [10.9], "trickle_body": [10.1, 10.3]}
+    outcome.wide = [(0.4, "400"), (0.5, "400")]
+    for name, value in values.items():
+        setattr(outcome, name, value)
+    return outcome
+
+
+def test_request_attackers_answered_in_time_pass_and_are_reported() -> None:
+    soak = result(ok(1.0), kill_at=None)
+    soak.attack = request_attack()
+    assert soak.problems() == []
+    report = soak.report()
+    assert "trickle_body: 2 closed by the gateway" in report
+    assert "wide bodies: 2 answered (400)" in report and "40 hung up mid-body" in report
+
+
+def test_a_trickled_body_held_past_the_body_deadline_fails_the_soak() -> None:
+    soak = result(ok(1.0), kill_at=None)
+    lifetimes = {"idle": [10.2], "slow_header": [10.9], "trickle_body": [10.0, 15.0]}
+    soak.attack = request_attack(lifetimes=lifetimes)  # 15 s: under the head bound, over 12
+    assert soak.problems() == ["1 trickle_body connections lived past 12 s (longest 15.0 s)"]
+
+
+def test_a_slow_or_failed_wide_body_or_a_500_fails_the_soak() -> None:
+    soak = result(ok(1.0), kill_at=None)
+    soak.attack = request_attack(wide=[(0.4, "400"), (4.2, "400"), (0.3, "500")])
+    soak.attack.server_errors = 3
+    assert soak.problems() == [
+        "2 of 3 wide bodies got no 2xx or 4xx within 3 s (first: 400 after 4.2 s)",
+        "the gateway counted 3 500s during the soak",
+    ]

@@ -32,12 +32,16 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+BODY_DEADLINE = 10.0  # the gateway it starts: a trickled body is cut within a short soak
+
+
 def _start_gateway(
     cache_dir: Path, admin_key: str, log_path: Path
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     gateway = Path(sys.executable).parent / "gateway"
     argv = [str(gateway), "demo", "--port", str(port), "--cache-dir", str(cache_dir)]
+    argv += ["--body-deadline", str(BODY_DEADLINE)]  # the trickle-body attackers' bound
     # The tiny demo: its adapters answer fixed words, which is how the soak judges routing.
     env = {
         **os.environ,
@@ -60,6 +64,12 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes] | None, timeout: floa
                 return
         time.sleep(1)
     raise TimeoutError(f"{url}/health did not answer 200 within {timeout:g} s")
+
+
+def _base_model(url: str) -> str:
+    """The model the wide bodies name: the gateway's first."""
+    listing = httpx.get(f"{url}/v1/models", timeout=10).json()
+    return str(listing["data"][0]["id"])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,7 +107,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=20.0,
         help="seconds within which the gateway must close an attacker's socket [20]",
     )
-    parser.add_argument("--no-attack", action="store_true", help="no attacker sockets")
+    parser.add_argument(
+        "--trickle-bodies", type=int, default=4, help="trickle-body attacker sockets [4]"
+    )
+    parser.add_argument(
+        "--body-deadline",
+        type=float,
+        default=2 * BODY_DEADLINE,
+        help="seconds within which the gateway must close a trickle-body socket "
+        f"[{2 * BODY_DEADLINE:g}; the gateway it starts has --body-deadline {BODY_DEADLINE:g}]",
+    )
+    parser.add_argument(
+        "--no-attack", action="store_true", help="no attacker sockets, wide or departing clients"
+    )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--cache-dir", type=Path, help="for the gateway it starts [a temp dir]")
     parser.add_argument("--json", type=Path, help="also write the full result here")
@@ -143,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
                 idle=args.idle_sockets,
                 slow_headers=args.slow_headers,
                 head_deadline_s=args.head_deadline,
+                trickle_bodies=args.trickle_bodies,
+                body_deadline_s=args.body_deadline,
+                wide_model=_base_model(url),
+                departing=True,
+                metrics_key=admin_key,
             ),
         )
         print(f"soaking {url} for {args.duration:g} s ...", flush=True)
