@@ -142,7 +142,7 @@ def systemd_unit(
         str,
         typer.Option(
             metavar="USER",
-            help="User= and Group= of a system unit: a dedicated account (README: "
+            help="User= and Group= of a system unit: a dedicated account (docs/operations.md: "
             "`useradd --system`), never root.",
         ),
     ] = "loragate",

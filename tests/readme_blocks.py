@@ -95,9 +95,11 @@ def pointed_at(code: str, url: str) -> str:
 def run_block(
     block: Block, url: str, timeout: float = 600, env: dict[str, str] | None = None
 ) -> str:
-    """Run ``block`` against the gateway at ``url`` from the repository root; its stdout."""
-    code = pointed_at(block.code, url)
+    """Run ``block`` against the gateway at ``url`` from the repository root; its stdout. The
+    pages' ``.venv/bin/`` (where the scripts install) is the venv the suite runs in, which
+    ``LORAGATE_VENV`` may have put elsewhere."""
     venv_bin = str(Path(sys.executable).parent)
+    code = pointed_at(block.code, url).replace(".venv/bin/", f"{venv_bin}/")
     full_env = {
         **os.environ,
         "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",

@@ -43,7 +43,8 @@ class BackendLifecycle:
     The app's lifespan drives it. An app that gets no lifespan events (mounted in another app:
     Starlette's ``Mount`` passes none on; or served with lifespan off) starts its backend on
     its first request instead. It then stops only if the parent's lifespan runs this app's
-    (``gateway.router.lifespan_context(gateway)``, README "Embedding").
+    (``gateway.router.lifespan_context(gateway)``, docs/api.md "Embedding: any ASGI server, or
+    mounted in a larger app").
     """
 
     def __init__(self, gateway: Gateway, inference_keys: int) -> None:

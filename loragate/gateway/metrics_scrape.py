@@ -9,8 +9,10 @@ families and ``loragate_build_info`` (``gateway_process_metrics``), then the eng
 
 A catalog of base models (``CatalogAdmin``) adds one series per model (``model_name``: its
 id): residency, memory, last use, loads and unloads, and the engine gauges of each model's
-engine instead of one engine's; and the catalog's swaps. Its engines' own ``/metrics`` are
-not appended: each writes the same ``vllm:*`` families, which one exposition cannot repeat.
+engine instead of one engine's; and the catalog's swaps. Its serving engines' own ``vllm:*``
+series are appended as one exposition (``merge_catalog_metrics``): each sample also labelled
+``catalog_model``, each family's HELP and TYPE written once, since every engine writes the
+same families.
 """
 
 from __future__ import annotations
@@ -176,7 +178,8 @@ async def render(gateway: Gateway) -> bytes:
     if adapters is not None:
         families += _adapter_families(adapters)
     engine_text = await engine_metrics_of(backend)
-    if not isinstance(backend, CatalogAdmin):  # a catalog's engines are not asked (above)
+    # One unlabelled gauge cannot say which of a catalog's engines answered: a catalog has none.
+    if not isinstance(backend, CatalogAdmin):
         families.append(
             _gauge(
                 "loragate_engine_metrics_up",

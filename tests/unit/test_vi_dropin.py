@@ -64,9 +64,13 @@ class RecordingViBackend(ViInferenceBackend):
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.models = ["vi-model"]
+        self.models_fail = False  # available_models() raises, as a backend whose registry is down
 
     def available_models(self) -> list[str]:
-        return ["vi-model"]
+        if self.models_fail:
+            raise RuntimeError("the model registry is down")
+        return list(self.models)
 
     def _record(self, method: str, **kwargs: Any) -> str:
         self.calls.append((method, {k: _handed(v) for k, v in kwargs.items()}))
@@ -344,6 +348,167 @@ def test_system_prompt_to_a_vi_backend_is_a_clear_400(side_by_side: SideBySide) 
     )
     assert vi.status == 200 and "system_prompt" not in vi_calls[0][1]
     assert lg.status == 400 and lg.body["error"]["param"] == "system_prompt" and lg_calls == []
+
+
+def test_a_streamed_value_error_before_any_output(side_by_side: SideBySide) -> None:
+    # Table: "a backend raising ValueError", streamed: the Vi server has answered 200 before
+    # the backend runs and sends the error as an event; loragate waits for the first piece.
+    body = {"model": "vi-model", "user_prompt": "explode", "stream": True}
+    url = f"{side_by_side.vi_url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=30) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert response.status_code == 200
+    assert "refuses to explode" in json.loads(lines[-1])["error"]["message"]
+    lg = httpx.post(f"{side_by_side.lg_url}/v1/chat/completions", json=body, timeout=30)
+    assert lg.status_code == 400 and "refuses to explode" in lg.json()["error"]["message"]
+
+
+# ----- issue #35: what the Vi server refuses, loragate refuses too --------------------------
+
+
+@contextlib.contextmanager
+def both_backends(side_by_side: SideBySide, **state: Any) -> Iterator[None]:
+    """Both recording backends with ``state`` (``models``, ``models_fail``) for a while."""
+    backends = (side_by_side.vi_backend, side_by_side.lg_backend)
+    saved = [{name: getattr(backend, name) for name in state} for backend in backends]
+    for backend in backends:
+        for name, value in state.items():
+            setattr(backend, name, value)
+    try:
+        yield
+    finally:
+        for backend, values in zip(backends, saved, strict=True):
+            for name, value in values.items():
+                setattr(backend, name, value)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_backend_that_cannot_list_its_models_is_a_json_500_on_both(
+    side_by_side: SideBySide, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = {"model": "vi-model", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    side_by_side.lg_backend.calls.clear()
+    with both_backends(side_by_side, models_fail=True):
+        vi = httpx.post(f"{side_by_side.vi_url}/v1/chat/completions", json=body, timeout=30)
+        lg = httpx.post(f"{side_by_side.lg_url}/v1/chat/completions", json=body, timeout=30)
+    assert vi.status_code == lg.status_code == 500
+    assert "registry is down" in vi.json()["detail"]
+    assert lg.headers["content-type"] == "application/json"  # not "Internal Server Error"
+    error = lg.json()["error"]
+    assert "registry is down" in error["message"] and error["type"] == "api_error"
+    assert side_by_side.lg_backend.calls == []
+    # One line in loragate's log, no traceback from it or from the ASGI server.
+    assert not [r for r in caplog.records if r.exc_info and not r.name.startswith("vi.")]
+
+
+def _vi_schema_bounds() -> dict[str, tuple[Any, Any]]:
+    """The bounds (``ge``, ``le``) the Vi server's request schema puts on its fields, read
+    from the installed SDK (vi/deployment/local/schemas.py: ``ChatCompletionRequest``)."""
+    from vi.deployment.local.schemas import ChatCompletionRequest
+
+    bounds = {}
+    for name, field in ChatCompletionRequest.model_fields.items():
+        least = next((m.ge for m in field.metadata if getattr(m, "ge", None) is not None), None)
+        most = next((m.le for m in field.metadata if getattr(m, "le", None) is not None), None)
+        if least is not None or most is not None:
+            bounds[name] = (least, most)
+    return bounds
+
+
+VI_SCHEMA_BOUNDS = _vi_schema_bounds()
+OUT_OF_RANGE = [
+    (name, value)
+    for name, (least, most) in VI_SCHEMA_BOUNDS.items()
+    for value in ([least - 1] if least is not None else [])
+    + ([most + 1] if most is not None else [])
+]
+
+
+def test_loragate_bounds_a_vi_backend_as_the_installed_sdk_does() -> None:
+    from loragate.gateway.backends.custom_parameters import VI_BOUNDS
+
+    assert VI_BOUNDS == VI_SCHEMA_BOUNDS and {"temperature", "top_p", "top_k"} <= set(VI_BOUNDS)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), OUT_OF_RANGE, ids=[f"{f}={v}" for f, v in OUT_OF_RANGE]
+)
+def test_values_out_of_the_vi_schemas_range_are_refused_by_both(
+    side_by_side: SideBySide, field: str, value: Any
+) -> None:
+    # Table: "out-of-range values": Vi's schema answers 422, loragate 400, the backend unasked.
+    vi, lg, vi_calls, lg_calls = side_by_side.both(
+        {"model": "vi-model", "user_prompt": "x", field: value}
+    )
+    assert (vi.status, lg.status) == (422, 400) and vi_calls == lg_calls == []
+    assert lg.body["error"]["param"] == field
+
+
+def test_the_vi_schemas_own_edges_reach_the_backend_on_both(side_by_side: SideBySide) -> None:
+    edges = {"temperature": 2, "top_k": 1, "top_p": 1, "max_tokens": 1}
+    vi, lg, vi_calls, lg_calls = side_by_side.both(
+        {"model": "vi-model", "user_prompt": "x", **edges}
+    )
+    assert (vi.status, lg.status) == (200, 200) and lg_calls == vi_calls
+
+
+@pytest.mark.parametrize("model", [{}, {"model": None}], ids=["absent", "null"])
+def test_a_request_without_a_model_is_refused_by_both(
+    side_by_side: SideBySide, model: dict[str, Any]
+) -> None:
+    # Vi's schema requires `model` (422); loragate names it (400), whichever model is first.
+    vi, lg, vi_calls, lg_calls = side_by_side.both(
+        {**model, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert (vi.status, lg.status) == (422, 400) and vi_calls == lg_calls == []
+    assert lg.body["error"]["param"] == "model"
+
+
+def test_two_models_are_listed_as_the_backend_lists_them(side_by_side: SideBySide) -> None:
+    with both_backends(side_by_side, models=["vi-model", "vi-other"]):
+        vi = httpx.get(f"{side_by_side.vi_url}/v1/models").json()["data"]
+        lg = httpx.get(f"{side_by_side.lg_url}/v1/models").json()["data"]
+        asked_vi, asked_lg, _, _ = side_by_side.both({"model": "vi-other", "user_prompt": "x"})
+    assert [m["id"] for m in lg] == [m["id"] for m in vi] == ["vi-model", "vi-other"]
+    assert all("parent" not in m for m in vi)
+    assert [m["parent"] for m in lg] == [None, None]  # neither an adapter of the other
+    assert asked_vi.status == asked_lg.status == 200
+    assert asked_lg.body["model"] == asked_vi.body["model"] == "vi-other"
+
+
+# Messages Vi's schema (ChatMessage: role system, user or assistant; content a string or a
+# list of parts) refuses, with the field loragate names.
+Q = {"role": "user", "content": "q"}
+OUTSIDE_VI_MESSAGES = {
+    "developer-role": ([{"role": "developer", "content": "Be brief."}, Q], "messages[0].role"),
+    "tool-role": ([Q, {"role": "tool", "content": "42", "tool_call_id": "c1"}], "messages[1].role"),
+    "function-role": ([Q, {"role": "function", "content": "4", "name": "f"}], "messages[1].role"),
+    "null-content": ([Q, {"role": "assistant", "content": None}], "messages[1].content"),
+}
+
+
+@pytest.mark.parametrize("name", list(OUTSIDE_VI_MESSAGES))
+def test_messages_outside_the_vi_schema_are_refused_by_both(
+    side_by_side: SideBySide, name: str
+) -> None:
+    messages, param = OUTSIDE_VI_MESSAGES[name]
+    vi, lg, vi_calls, lg_calls = side_by_side.both({"model": "vi-model", "messages": messages})
+    assert (vi.status, lg.status) == (422, 400) and vi_calls == lg_calls == []
+    assert lg.body["error"]["param"] == param
+
+
+def test_raw_base64_in_an_image_url_is_an_image_to_both(side_by_side: SideBySide) -> None:
+    content = [
+        {"type": "image_url", "image_url": {"url": PNG_BASE64}},
+        {"type": "text", "text": "q"},
+    ]
+    vi, lg, vi_calls, lg_calls = side_by_side.both(
+        {"model": "vi-model", "messages": [{"role": "user", "content": content}]}
+    )
+    assert (vi.status, lg.status) == (200, 200)
+    # Differs (table: "the image a backend gets"): Vi hands it as sent, loragate a data URI.
+    assert vi_calls[0][1]["messages"][0]["content"][0]["image_url"]["url"] == PNG_BASE64
+    assert lg_calls[0][1]["messages"][0]["content"][0]["image_url"]["url"] == PNG_URI
 
 
 def test_health_answers_as_vi_on_both_routes(side_by_side: SideBySide) -> None:

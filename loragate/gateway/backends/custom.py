@@ -41,7 +41,8 @@ class InferenceBackend(ABC):
     Arguments every method gets:
 
     - ``messages``: OpenAI chat messages, checked; images are ``image_url`` parts whose URL
-      is a data URI (local files were read from --allowed-media-dir) or an http(s) URL;
+      is always a data URI (local files were read from --allowed-media-dir, http(s) URLs
+      fetched by the gateway, raw base64 given its prefix);
     - ``response_format``: OpenAI's ``response_format`` object as sent (``json_schema`` or
       ``json_object``; the schema is already checked), or None;
     - ``generation_config``: the sampling parameters the client set, under Hugging Face
@@ -87,7 +88,7 @@ class InferenceBackend(ABC):
         generation_config: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> GenerationResult | str:
-        """A Vi request (``source`` is the checked image: a data URI or an http(s) URL).
+        """A Vi request (``source`` is the checked image or video, as a data URI).
 
         ``kwargs`` carry ``model`` and, when the client sent one, ``system_prompt``.
         By default: the OpenAI messages the Vi request stands for, through ``generate``.

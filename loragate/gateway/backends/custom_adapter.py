@@ -23,6 +23,7 @@ from loragate.gateway.backends.base import GatewayBackend
 from loragate.gateway.backends.custom import GenerationResult, InferenceBackend
 from loragate.gateway.backends.custom_parameters import (
     StopScanner,
+    check_vi_schema,
     cut_at_stop,
     generation_config_of,
     stop_strings,
@@ -136,14 +137,27 @@ class InferenceBackendAdapter:
         await self.backend.stop()
 
     def model_ids(self) -> list[str]:
-        return list(self.backend.available_models())
+        """The backend's ``available_models()``; a 500 in OpenAI's shape (one log line, no
+        traceback) when it raises, as the Vi server answers it, never the ASGI server's
+        plain-text one."""
+        try:
+            return list(self.backend.available_models())
+        except Exception as exc:
+            log.error(
+                "the inference backend cannot list its models: %s: %s", type(exc).__name__, exc
+            )
+            raise OpenAIError(
+                500,
+                f"The backend cannot list its models: {type(exc).__name__}: {exc}",
+                code="backend_error",
+            ) from None
 
     def _count_tokens(self, text: str) -> int:
         return self.backend.count_tokens(text)
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        try:
-            models = self.model_ids()
+        try:  # not model_ids(): a probe's failure is its answer, not a line in the log
+            models = list(self.backend.available_models())
         except Exception as exc:
             return False, {
                 "status": "failed",
@@ -360,8 +374,10 @@ class ViBackendAdapter(InferenceBackendAdapter):
     server hands it (``vi/deployment/local/server.py``: ``chat_completions`` and
     ``stream_completion``): keyword arguments ``messages`` (role and content) or ``source``
     and ``user_prompt``, ``response_format`` as a Pydantic model class and
-    ``generation_config`` built from the request as sent, and no other keyword. loragate's
-    optional hooks (``start``, ``stop``, ``count_tokens``) are used where it has them."""
+    ``generation_config`` built from the request as sent, and no other keyword; what that
+    server's request schema refuses is a 400 before it is asked (``check_vi_schema``).
+    loragate's optional hooks (``start``, ``stop``, ``count_tokens``) are used where it has
+    them."""
 
     backend: Any
 
@@ -378,8 +394,15 @@ class ViBackendAdapter(InferenceBackendAdapter):
         count = getattr(self.backend, "count_tokens", None)
         return int(count(text)) if callable(count) else len(text.split())
 
+    def model_entries(self) -> list[dict[str, Any]]:
+        """``/v1/models`` as the Vi server lists it: every model on its own, none an adapter
+        of the first (the routes would read the models after the first as its adapters)."""
+        return [{"id": model, "parent": None} for model in self.model_ids()]
+
     def _call(self, payload: dict[str, Any], public_model: str) -> _Call:
         call = super()._call(payload, public_model)
+        sent = getattr(payload, "sent", payload)
+        check_vi_schema(sent, call.messages)
         if "system_prompt" in call.kwargs:
             raise OpenAIError(
                 400,
@@ -389,7 +412,7 @@ class ViBackendAdapter(InferenceBackendAdapter):
                 code="not_supported",
             )
         call.kwargs = {}
-        call.generation_config = vi_generation_config(getattr(payload, "sent", payload))
+        call.generation_config = vi_generation_config(sent)
         call.response_format = vi_response_model(call.response_format)
         call.messages = [{"role": m["role"], "content": m.get("content")} for m in call.messages]
         return call

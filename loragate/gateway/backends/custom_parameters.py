@@ -1,7 +1,7 @@
 """What a custom backend's OpenAI parameters mean: ``generation_config`` under the Hugging Face
 names the Vi SDK passes, and ``stop`` strings, which cut the output whatever the backend does
 with them; for a backend written for the Vi SDK's own server, ``generation_config`` and
-``response_format`` exactly as that server builds them."""
+``response_format`` exactly as that server builds them, and the requests its schema refuses."""
 
 from __future__ import annotations
 
@@ -92,6 +92,68 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
 VI_DEFAULT_TEMPERATURE = 0.7
 """What the Vi server's request schema defaults ``temperature`` to
 (``vi/deployment/local/schemas.py``: ``ChatCompletionRequest.temperature``)."""
+
+# The bounds (least, most) the Vi server's request schema puts on its top-level fields
+# (``ChatCompletionRequest``'s ``ge`` and ``le``; tests/unit/test_vi_dropin.py checks them
+# against the installed SDK). Copied, so serving a Vi backend needs no vi-sdk installed.
+VI_BOUNDS: dict[str, tuple[float | None, float | None]] = {
+    "temperature": (0.0, 2.0),
+    "max_tokens": (1, None),
+    "top_p": (0.0, 1.0),
+    "top_k": (1, None),
+    "repetition_penalty": (0.0, None),
+}
+VI_ROLES = ("system", "user", "assistant")  # the schema's ChatMessage.role
+
+
+def check_vi_schema(sent: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+    """A 400 for what the Vi server's request schema refuses (a 422 there) and loragate's own
+    checks let through, before a backend written for that server is asked: no ``model`` (the
+    Vi server has no default model), a top-level value outside ``VI_BOUNDS`` (``sent``: the
+    body as the client sent it), a role other than ``VI_ROLES`` (no ``developer``, ``tool``
+    or ``function``: such a backend was never handed one) or a null ``content``."""
+    if sent.get("model") is None:
+        raise OpenAIError(
+            400,
+            "The request names no 'model'; a backend written for the Vi SDK's server is asked "
+            "for one of its models by name (GET /v1/models lists them).",
+            param="model",
+            code="missing_model",
+        )
+    for field, (least, most) in VI_BOUNDS.items():
+        value = sent.get(field)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            continue  # absent, or refused by loragate's own checks already
+        if (least is not None and value < least) or (most is not None and value > most):
+            bounds = [f"at least {least:g}"] if least is not None else []
+            bounds += [f"at most {most:g}"] if most is not None else []
+            raise OpenAIError(
+                400,
+                f"'{field}' must be {' and '.join(bounds)} for this backend (the Vi SDK "
+                f"server's bound), got {value!r}",
+                param=field,
+                code="invalid_value",
+            )
+    for index, message in enumerate(messages):
+        role = message.get("role")
+        if role not in VI_ROLES:
+            hint = " Send its text as a 'system' message." if role == "developer" else ""
+            raise OpenAIError(
+                400,
+                f"messages[{index}].role is {role!r}; a backend written for the Vi SDK's server "
+                f"takes {', '.join(VI_ROLES)} only.{hint}",
+                param=f"messages[{index}].role",
+                code="invalid_role",
+            )
+        if message.get("content") is None:
+            raise OpenAIError(
+                400,
+                f"messages[{index}].content is null; a backend written for the Vi SDK's server "
+                "takes a string or an array of parts.",
+                param=f"messages[{index}].content",
+                code="invalid_request",
+            )
+
 
 # Top-level request field -> the generation_config key the Vi server puts it under.
 _VI_TO_CONFIG = {

@@ -11,15 +11,12 @@ Face names. It becomes one user message with the media part first (``image_url``
 
 from __future__ import annotations
 
-import base64
-import binascii
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.requests.images.resolve import sniff_format
-from loragate.gateway.requests.images.video import names_a_video, sniff_video
+from loragate.gateway.requests.images.resolve import raw_base64_uri
+from loragate.gateway.requests.images.video import names_a_video
 
 VI_KEYS = frozenset({"source", "user_prompt", "system_prompt", "generation_config"})
 
@@ -76,29 +73,6 @@ def vi_messages(
     return messages
 
 
-_RAW_BASE64 = re.compile(r"[A-Za-z0-9+/\s]+={0,2}\s*")
-
-
-def raw_base64_image(source: str) -> str | None:
-    """``source`` as a data URI when it is a raw base64 image or video (no ``data:`` prefix), which the
-    Vi server's schema accepts (``vi/deployment/local/schemas.py``:
-    ``ChatCompletionRequest.source``, "a file path, URL, or base64-encoded image string");
-    None for anything else (a path, a URL, a data URI). Only the image's first bytes are
-    decoded here, to recognise its format; the image check reads the rest."""
-    if len(source) < 16 or not _RAW_BASE64.fullmatch(source):
-        return None
-    compact = "".join(source.split())
-    try:
-        head = base64.b64decode(compact[:64], validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    fmt = sniff_format(head)
-    if fmt:
-        return f"data:image/{fmt};base64,{compact}"
-    mime = sniff_video(head)
-    return f"data:{mime};base64,{compact}" if mime else None
-
-
 def vi_to_messages(body: dict[str, Any]) -> None:
     """Replace the Vi fields of ``body`` by the ``messages`` they stand for; 400 if mistyped."""
     source = body.pop("source", None)
@@ -114,7 +88,7 @@ def vi_to_messages(body: dict[str, Any]) -> None:
     if system is not None and not isinstance(system, str):
         raise _bad("Vi 'system_prompt' must be a string.", param="system_prompt")
     if source is not None:
-        source = raw_base64_image(source) or source
+        source = raw_base64_uri(source) or source
     body["messages"] = vi_messages(source, prompt, system)
 
 

@@ -50,7 +50,7 @@ def _engine_log_path(gateway: Gateway) -> Path | None:
 
 
 # Out of the OpenAPI schema: a followed tail never ends by itself, which schema fuzzers
-# (tests/*/test_fuzz*.py) would wait on; README "Status page" documents it.
+# (tests/*/test_fuzz*.py) would wait on; docs/operations.md "The status page" documents it.
 @admin_router.get("/admin/logs", include_in_schema=False)
 async def log_tail(
     request: Request,

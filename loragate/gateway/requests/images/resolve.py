@@ -1,4 +1,5 @@
-"""Images in requests: local paths (only inside --allowed-media-dir), data URIs, http(s) URLs.
+"""Images in requests: local paths (only inside --allowed-media-dir), data URIs, http(s) URLs,
+raw base64 (a data URI without its ``data:`` prefix, as Vi's ``source`` takes it).
 
 Every image reaches the engine as a data URI, checked here first (format, size, pixel count);
 the engine never fetches a URL from a request (it is started with an allowed-media domain that
@@ -13,6 +14,7 @@ import base64
 import binascii
 import functools
 import io
+import re
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -97,6 +99,9 @@ class MediaPolicy:
                 param,
                 f"unsupported image URL scheme in {url[:16]!r}: use data:, http(s):// or a local path",
             )
+        raw = raw_base64_uri(url)
+        if raw is not None:
+            return await in_pool("media", self._data_uri, raw, param)
         path = unquote(url[7:]) if lowered.startswith("file://") else url
         return await in_pool("media", self._local_file, path, param)
 
@@ -185,6 +190,29 @@ def _media_policy(
 
 def data_uri(data: bytes, fmt: str) -> str:
     return f"data:image/{fmt};base64,{base64.b64encode(data).decode()}"
+
+
+_RAW_BASE64 = re.compile(r"[A-Za-z0-9+/\s]+={0,2}\s*")
+
+
+def raw_base64_uri(text: str) -> str | None:
+    """``text`` as a data URI when it is a raw base64 image or video (no ``data:`` prefix),
+    which the Vi server's schema accepts as a ``source`` (``vi/deployment/local/schemas.py``:
+    "a file path, URL, or base64-encoded image string") and its backends as an ``image_url``;
+    None for anything else (a path, a URL, a data URI). Only the first bytes are decoded here,
+    to recognise the format; the image check reads the rest."""
+    if len(text) < 16 or not _RAW_BASE64.fullmatch(text):
+        return None
+    compact = "".join(text.split())
+    try:
+        head = base64.b64decode(compact[:64], validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    fmt = sniff_format(head)
+    if fmt:
+        return f"data:image/{fmt};base64,{compact}"
+    mime = sniff_video(head)
+    return f"data:{mime};base64,{compact}" if mime else None
 
 
 def sniff_format(data: bytes) -> str | None:
