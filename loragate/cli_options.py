@@ -82,6 +82,7 @@ METAVAR_OF = {
     "cors_origins": "URL",
     "allowed_hosts": "HOST",
     "allowed_source_networks": "NETWORK",
+    "adapter_source_roots": "DIR",
 }
 _WIDEST = 100  # past this, lines of help get hard to read however wide the terminal
 _HELP_INDENT = 6

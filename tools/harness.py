@@ -5,11 +5,13 @@ bench)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +19,9 @@ from typing import Any
 
 import httpx
 import psutil
+
+from loragate.demo.layout import default_demo_dir
+from loragate.paths import default_cache_dir
 
 GATEWAY = Path(sys.executable).parent / "gateway"
 ADMIN_KEY = "test-admin-key"
@@ -77,6 +82,11 @@ class GatewayProcess:
             # A third shorter a boot, the guarantees kept (tests/integration/test_boot_modes.py);
             # the tests of the engine's process tree ask for the product's default themselves.
             "LORAGATE_ENGINE_BOOT_MODE": "single-process",
+            # Where the tests' adapters lie (their temporary dirs, the demo's, the default
+            # cache dir): the admin API reads local sources only under these roots.
+            "LORAGATE_ADAPTER_SOURCE_ROOTS": json.dumps(
+                [tempfile.gettempdir(), str(default_demo_dir()), str(default_cache_dir())]
+            ),
             **self.env,
         }
         log = self.log_path.open("ab")

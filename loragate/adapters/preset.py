@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from loragate.adapters.json_file import is_finite_number
 
 # Checks one generation parameter's value (a default or a clamp): raises ``ValueError`` saying
 # what is wrong, or ``KeyError`` for a name that is no generation parameter.
@@ -107,8 +108,7 @@ class Preset:
         defaults = _parameters(raw, "defaults", rules)
         clamps = _parameters(raw, "clamps", rules)
         for name, limit in clamps.items():
-            number = isinstance(limit, int | float) and not isinstance(limit, bool)
-            if not number or not math.isfinite(limit):
+            if not is_finite_number(limit):
                 raise PresetError(f"preset.clamps.{name}", "must be a number (the most allowed)")
             default = defaults.get(name)
             if (
@@ -195,6 +195,8 @@ def _parameters(raw: dict[str, Any], key: str, rules: ParameterRules | None) -> 
             raise PresetError(where, "is not a generation parameter a preset can set") from None
         except ValueError as exc:
             raise PresetError(where, str(exc)) from None
+        except OverflowError:  # an integer no float holds (``1`` and 400 zeros)
+            raise PresetError(where, "is a number too large to use") from None
     return {name: values[name] for name in sorted(values)}
 
 

@@ -8,6 +8,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 _TYPES = {
@@ -73,6 +74,24 @@ def model_not_found(model: str, valid: list[str]) -> OpenAIError:
     )
 
 
+def client_closed() -> OpenAIError:
+    """The 499 (nginx's "client closed request") recorded for a client that left."""
+    return OpenAIError(
+        499, "the client closed the connection before its answer", code="client_closed_request"
+    )
+
+
+def nested_too_deeply() -> OpenAIError:
+    """The 400 for a ``RecursionError`` while answering: nesting that no check expected
+    (bodies are capped when parsed, ``requests.body``), a bad request all the same, and no
+    traceback of a thousand frames in the log."""
+    return OpenAIError(
+        400,
+        "The request nests too deeply for this gateway to handle; flatten it.",
+        code="body_too_deep",
+    )
+
+
 def error_event(message: str, code: str, status: int = 503) -> bytes:
     """A server-sent event carrying an OpenAI-shaped error, for a stream that breaks midway."""
     body = OpenAIError(status, message, code=code).body()
@@ -108,6 +127,16 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return OpenAIError(400, message, param=where or None, code="invalid_request").response()
 
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
+        # The client left before its body was read whole: nobody reads this answer, but the
+        # metrics and the access log record it as nginx does, not as the gateway's failure.
+        return client_closed().response()
+
+    async def on_recursion(request: Request, exc: Exception) -> Response:
+        return nested_too_deeply().response()
+
     app.add_exception_handler(OpenAIError, on_openai_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(ClientDisconnect, on_client_gone)
+    app.add_exception_handler(RecursionError, on_recursion)

@@ -13,12 +13,38 @@ from loragate.gateway.errors import OpenAIError
 from loragate.gateway.metrics import GatewayMetrics
 from loragate.gateway.requests.chat import normalize_chat_request
 from loragate.gateway.requests.parameters import Route, check_parameters
+from loragate.gateway.requests.presets import CapFill
 from loragate.settings import Settings
 
-# Headers a reverse proxy adds: their presence means the client is not the peer we see.
-_FORWARDING_HEADERS = (
-    "forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip", "via"
-)  # fmt: skip
+# Headers a proxy adds to say whom it forwards for: their presence means the client is not the
+# peer we see. A proxy that adds none (nginx's plain proxy_pass, socat, ssh -L) cannot be told
+# from a local client: docs/security.md says so beside --open-admin.
+_FORWARDING_HEADERS = frozenset({
+    "forwarded", "via", "x-real-ip", "x-client-ip", "client-ip", "true-client-ip",
+    "cf-connecting-ip", "fastly-client-ip", "x-cluster-client-ip", "x-proxyuser-ip",
+    "wl-proxy-client-ip", "proxy-client-ip", "x-envoy-external-address",
+})  # fmt: skip
+_FORWARDING_PREFIXES = ("x-forwarded-", "x-original-")  # X-Forwarded-For, X-Original-URI, ...
+
+# What bounds a generation's length on each generation route, as vLLM's request models name
+# it: the token limits (a request that asks none gets the first, filled in), and the fewest
+# tokens a request may make the engine generate. /v1/messages must name its max_tokens
+# (Anthropic's API): the engine refuses it without, so none is filled in there.
+_TOKEN_FIELDS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "/v1/chat/completions": (("max_tokens", "max_completion_tokens"), "min_tokens"),
+    "/v1/completions": (("max_tokens",), "min_tokens"),
+    "/v1/responses": (("max_output_tokens",), None),
+    "/v1/messages": (("max_tokens",), None),
+}
+_PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+_COMPLETION_TOKENS = 16  # what vLLM (as OpenAI) generates for a completion without max_tokens
+
+
+def _is_forwarded(request: HasHeaders) -> bool:
+    return any(
+        name.lower() in _FORWARDING_HEADERS or name.lower().startswith(_FORWARDING_PREFIXES)
+        for name in request.headers
+    )
 
 
 class Gateway:
@@ -54,9 +80,7 @@ class Gateway:
         A request a proxy forwarded is not from this machine, even when the proxy runs here.
         """
         if self.keys.admin_open and not (
-            client_host is not None
-            and is_loopback(client_host)
-            and not any(name in request.headers for name in _FORWARDING_HEADERS)
+            client_host is not None and is_loopback(client_host) and not _is_forwarded(request)
         ):
             raise OpenAIError(
                 403,
@@ -75,14 +99,38 @@ class Gateway:
     def check_generation_limits(
         self, payload: dict[str, Any], route: Route = "completions"
     ) -> None:
-        check_parameters(payload, route)  # max_tokens too: a positive integer by now
+        check_parameters(payload, route)  # the token fields are integers by now
+        self.cap_tokens(_PATHS[route], payload)
+
+    def cap_tokens(self, path: str, payload: dict[str, Any]) -> None:
+        """``--max-tokens-cap`` on a request to the generation route ``path``, in place: a token
+        limit or ``min_tokens`` above the cap is a 400; a request that asks no limit gets the
+        cap as its limit (a completion: vLLM's 16, when lower), as a ``CapFill``: a version's
+        preset may set its own in its place, within the cap. Other routes pass untouched."""
         cap = self.settings.max_tokens_cap
-        for field in ("max_tokens", "max_completion_tokens"):
+        fields = _TOKEN_FIELDS.get(path)
+        if cap is None or fields is None:
+            return
+        limits, floor = fields
+        for field in (*limits, floor) if floor else limits:
             value = payload.get(field)
-            if value is not None and cap is not None and value > cap:
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                # vLLM's models read "100000" and 1e5 as numbers: refused, not let past the cap.
+                raise OpenAIError(
+                    400, f"'{field}' must be an integer", param=field, code="invalid_type"
+                )
+            if value > cap:
                 raise OpenAIError(
                     400,
                     f"'{field}' is {value}, above this gateway's cap of {cap} (--max-tokens-cap)",
                     param=field,
-                    code="max_tokens_too_large",
+                    code="min_tokens_too_large" if field == floor else "max_tokens_too_large",
                 )
+        if path == "/v1/messages" or any(payload.get(field) is not None for field in limits):
+            return
+        fill = cap
+        if path == "/v1/completions" and "max_tokens" not in payload:  # null asks no limit
+            fill = min(cap, _COMPLETION_TOKENS)
+        payload[limits[0]] = CapFill(fill, cap)

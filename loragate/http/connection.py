@@ -7,13 +7,21 @@ a body is delimited by its Content-Length, by chunked encoding or by the connect
 An exchange may carry a silence limit: past that many seconds without a byte of the answer
 (its head, or the next piece of its body) the connection is cut and the one waiting gets
 ``UpstreamSilent``. A hung engine or upstream would otherwise hold its client, its adapter
-lease and a socket for ever; cutting the connection is also how vLLM learns to stop.
+lease and a socket for ever; cutting the connection is also how vLLM learns to stop. A body
+read whole (``read_all``) may also have a deadline, however steadily it trickles
+(``UpstreamOverdue``), and a size past which it is refused (``UpstreamTooLarge``): nothing an
+upstream sends makes the gateway wait or hold memory without bound.
+
+A connection cut (``abort``) drops whatever it had buffered at once: the connection and its
+parser refer to each other, so the connection itself waits for the garbage collector, but
+never with an answer's bytes in it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import ssl
 import sys
 import time
@@ -39,9 +47,26 @@ class UpstreamSilent(UpstreamBroken):
     send the request again.
     """
 
-    def __init__(self, seconds: float) -> None:
-        super().__init__(f"the upstream sent nothing for {seconds:g} s")
+    def __init__(self, seconds: float, message: str | None = None) -> None:
+        super().__init__(message or f"the upstream sent nothing for {seconds:g} s")
         self.seconds = seconds
+
+
+class UpstreamOverdue(UpstreamSilent):
+    """A body read whole had not arrived whole ``seconds`` after the request was sent, however
+    steadily it came; the connection was cut."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds, f"the upstream's answer took longer than {seconds:g} s")
+
+
+class UpstreamTooLarge(UpstreamBroken):
+    """The upstream sent more than the reader takes in one piece (``limit`` bytes): a body
+    read whole, or one event of a relayed stream. The connection was cut."""
+
+    def __init__(self, limit: int, what: str = "answer") -> None:
+        super().__init__(f"the upstream's {what} is larger than {limit} bytes")
+        self.limit = limit
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -60,8 +85,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._sink: Callable[[bytes], None] | None = None
         self._silence_limit = 0.0
-        self._silence_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._last_byte = 0.0
+        self._sent_at = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -77,6 +103,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._paused = False
         self._until_close = True
         self._keep_alive = False
+        self._deadline = math.inf  # when a body read whole must have arrived (read_all)
+        self._deadline_seconds = 0.0
 
     # asyncio.Protocol
 
@@ -98,7 +126,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._stop_silence_timer()
+        self._stop_timer()
         if self.error is not None:  # cut for a reason already recorded (UpstreamSilent)
             self._wake()
             return
@@ -134,6 +162,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.closed:  # cut while the parser still had bytes of this read to go
+            return
         if self._sink is not None:
             self._sink(body)
             return
@@ -151,7 +181,7 @@ class UpstreamConnection(asyncio.Protocol):
         # Only valid here: once feed_data returns, the parser has reset for the next message.
         self._keep_alive = self._parser.should_keep_alive()
         self.complete = True
-        self._stop_silence_timer()
+        self._stop_timer()
         self._wake()
 
     # the exchange, seen from the coroutine that owns it
@@ -164,49 +194,63 @@ class UpstreamConnection(asyncio.Protocol):
         self._reset()
         self._sink = None
         self.exchanges += 1
-        self._stop_silence_timer()
+        self._stop_timer()
+        self._silence_limit = silence_limit or 0.0
+        self._sent_at = self._last_byte = time.monotonic()
         if silence_limit:
-            self._silence_limit = silence_limit
-            self._last_byte = time.monotonic()
             loop = asyncio.get_running_loop()
-            self._silence_timer = loop.call_later(silence_limit, self._check_silence)
+            self._timer = loop.call_later(silence_limit, self._check_time)
         self.transport.write(data)
 
-    def _check_silence(self) -> None:
-        """One timer per exchange, re-armed for what is left rather than reset per chunk."""
-        self._silence_timer = None
+    def _check_time(self) -> None:
+        """One timer per exchange, re-armed for what is left (of the silence limit, or of
+        ``read_all``'s deadline, whichever ends first) rather than reset per chunk."""
+        self._timer = None
         if self.complete or self.closed:
             return
         now = time.monotonic()
         if self._paused:  # the client is not reading: not the upstream's silence
             self._last_byte = now
-        left = self._last_byte + self._silence_limit - now
+        left = self._deadline - now
+        if self._silence_limit:
+            left = min(left, self._last_byte + self._silence_limit - now)
         if left > 0:
-            self._silence_timer = asyncio.get_running_loop().call_later(left, self._check_silence)
+            if left != math.inf:
+                self._timer = asyncio.get_running_loop().call_later(left, self._check_time)
             return
-        self._fail(UpstreamSilent(self._silence_limit))
-        self.abort()
+        if now >= self._deadline:
+            self.give_up(UpstreamOverdue(self._deadline_seconds))
+        else:
+            self.give_up(UpstreamSilent(self._silence_limit))
 
-    def _stop_silence_timer(self) -> None:
-        if self._silence_timer is not None:
-            self._silence_timer.cancel()
-            self._silence_timer = None
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def head(self) -> None:
         while not self.head_done:
             await self._wait()
 
-    async def read_all(self, limit: int = sys.maxsize) -> bytes:
-        """The whole body. Past ``limit`` bytes the connection is dropped and
-        ``UpstreamBroken`` raised; short of it the socket is read on (no back-pressure: the
-        body is wanted whole, and pausing would wait for it forever)."""
+    async def read_all(self, limit: int = sys.maxsize, within: float | None = None) -> bytes:
+        """The whole body. Past ``limit`` bytes the connection is cut and ``UpstreamTooLarge``
+        raised; short of it the socket is read on (no back-pressure: the body is wanted whole,
+        and pausing would wait for it forever). With ``within``, the body must have arrived
+        whole that many seconds after the request was sent, or the connection is cut and
+        ``UpstreamOverdue`` raised."""
         self._high_water = limit
         self.release()
+        if within and not self.complete:
+            self._deadline_seconds = within
+            self._deadline = self._sent_at + within
+            self._stop_timer()
+            self._check_time()  # re-armed for whichever ends first (or given up at once)
         while not self.complete and self._buffered <= limit:
             await self._wait()
         if self._buffered > limit:
-            self.abort()
-            raise UpstreamBroken(f"the answer is larger than {limit} bytes")
+            too_large = UpstreamTooLarge(limit)
+            self.give_up(too_large)
+            raise too_large
         body = b"".join(self._body)
         self._body.clear()
         return body
@@ -261,9 +305,17 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.close()
 
     def abort(self) -> None:
+        """Cut the connection (a reset), dropping what was buffered of the answer."""
         self.closed = True
+        self._body.clear()
+        self._buffered = 0
         if self.transport is not None:
             self.transport.abort()
+
+    def give_up(self, error: UpstreamBroken) -> None:
+        """Cut the connection for ``error``, which the one waiting on it gets."""
+        self._fail(error)
+        self.abort()
 
     async def _wait(self) -> None:
         if self.error is not None:

@@ -60,8 +60,11 @@ class AccessFields(BaseModel):
     open_admin: bool = Field(
         default=False,
         description=(
-            "Serve the admin routes without any key, to clients on this machine only. Off: "
-            "without --admin-key, a per-start token in CACHE_DIR/admin-token is the key."
+            "Serve the admin routes without any key, to clients on this machine only: a "
+            "loopback peer whose request carries no proxy's header. Unsafe behind any local "
+            "proxy or tunnel that adds no such header (nginx's plain proxy_pass, socat, "
+            "ssh -L): it makes every remote client a loopback peer. Off: without --admin-key, "
+            "a per-start token in CACHE_DIR/admin-token is the key."
         ),
         json_schema_extra=serve_option(),
     )

@@ -1,6 +1,6 @@
 """How the adapters are kept: how often their sources (and the fleet manifest) are checked
-for new versions, how much disk the adapter store may take, and which private networks their
-downloads may reach."""
+for new versions, how much disk the adapter store may take, which private networks their
+downloads may reach, and which local directories an admin client may name as a source."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pydantic_settings import NoDecode
 from loragate.http.addresses import AllowedNetworks
 from loragate.paths import default_state_dir
 from loragate.settings.serve_option import serve_option
+from loragate.settings.sources import list_value
 
 
 class AdapterStoreFields(BaseModel):
@@ -55,6 +56,34 @@ class AdapterStoreFields(BaseModel):
         json_schema_extra=serve_option(),
     )
 
+    # The admin key opens the adapters, not the files of the gateway's user: a local path sent
+    # to the admin API is read only under these (docs/security.md). Sources the operator
+    # configured (--lora, the adapters manifest, a catalog) are read wherever they are.
+    adapter_source_roots: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Directories under which the admin API reads local adapter sources (repeatable; "
+            "'/' for any). Default: none, so with --admin-key or --open-admin a local path "
+            "sent to the admin API is refused; the CLI on this machine, with the per-start "
+            "token, may name any."
+        ),
+        json_schema_extra=serve_option("--adapter-source-root"),
+    )
+
+    @field_validator("adapter_source_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        values = list_value("adapter_source_roots", value)
+        if not isinstance(values, list):
+            return values
+        roots = []
+        for item in values:
+            root = Path(str(item)).expanduser()
+            if not root.is_absolute():
+                raise ValueError(f"adapter source root {str(item)!r} is not an absolute path")
+            roots.append(str(root))
+        return roots
+
     @field_validator("allowed_source_networks", mode="before")
     @classmethod
     def _split_networks(cls, value: Any) -> Any:
@@ -65,6 +94,10 @@ class AdapterStoreFields(BaseModel):
         entries = [entry for entry in entries if entry]
         AllowedNetworks.parse(entries)  # ValueError naming an entry that is neither
         return entries
+
+    def source_roots(self) -> list[Path]:
+        """``adapter_source_roots`` as the directories an admin client's local sources need."""
+        return [Path(root) for root in self.adapter_source_roots]
 
     def source_networks(self) -> AllowedNetworks:
         """``allowed_source_networks`` as the allow-list every source download checks."""

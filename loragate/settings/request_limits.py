@@ -8,6 +8,9 @@ from pydantic import BaseModel, Field
 
 from loragate.settings.serve_option import serve_option
 
+# The default of max_answer_bytes, and of the proxy that a backend builds without settings.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+
 
 class RequestLimitFields(BaseModel):
     queue_size: int = Field(
@@ -27,6 +30,18 @@ class RequestLimitFields(BaseModel):
         default=32 * 1024 * 1024,
         gt=0,
         description="Largest request body in bytes, 413 above.",
+        json_schema_extra=serve_option(),
+    )
+    max_answer_bytes: int = Field(
+        default=MAX_ANSWER_BYTES,
+        ge=64 * 1024,
+        description=(
+            "Largest answer, in bytes, the gateway takes whole from the engine (or "
+            "--upstream-url server): a non-streamed answer, or one event of a stream (the "
+            "Responses API's last event holds the whole answer). Past it, a 502 "
+            "engine_answer_too_large (mid-stream, an error event) and the connection cut. "
+            "Raise it for embeddings of large batches sent as JSON floats."
+        ),
         json_schema_extra=serve_option(),
     )
     limit_concurrency: int = Field(
@@ -108,7 +123,13 @@ class RequestLimitFields(BaseModel):
     max_tokens_cap: int | None = Field(
         default=None,
         ge=1,
-        description="Largest max_tokens a request may ask for. Default: no cap.",
+        description=(
+            "Most tokens one request may have generated, on every generation route: a "
+            "max_tokens, max_completion_tokens, min_tokens (Vi: max_new_tokens, "
+            "min_new_tokens) or Responses max_output_tokens above it is a 400, and a request "
+            "that names no limit gets this one (a completion keeps vLLM's 16 when lower). "
+            "Default: no cap."
+        ),
         json_schema_extra=serve_option(),
     )
     max_image_bytes: int = Field(

@@ -104,8 +104,9 @@ class ServingFields(BaseModel):
         description=(
             "Seconds the engine (or --upstream-url server) may send nothing while answering "
             "before the request is abandoned: a 504 (mid-stream, an error event) and its "
-            "connection cut, so the engine stops. A non-streamed answer arrives whole at its "
-            "end, so this also bounds its generation time. 0: no limit."
+            "connection cut, so the engine stops. A non-streamed answer (and an error answer) "
+            "must also have arrived whole this many seconds after the request was sent, "
+            "however steadily it trickles, which bounds its generation time. 0: no limit."
         ),
         json_schema_extra=serve_option(),
     )

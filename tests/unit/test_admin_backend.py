@@ -234,7 +234,9 @@ async def test_the_admin_routes_answer_what_the_backend_reports_and_change_throu
             "delete": await client.delete("/admin/adapters/pong", headers=ADMIN),
         }
 
-    answers = await call_app(settings_for(tmp_path, admin_key=ADMIN_KEY), backend, ask)
+    # "/": local sources anywhere, as the double's fake paths are.
+    settings = settings_for(tmp_path, admin_key=ADMIN_KEY, adapter_source_roots=["/"])
+    answers = await call_app(settings, backend, ask)
     running.__exit__(None, None, None)
     listing = answers["list"].json()
     assert listing["object"] == "list"

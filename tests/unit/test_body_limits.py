@@ -53,7 +53,9 @@ def backend() -> ManagedBackendDouble:
 
 @pytest.fixture
 async def client(tmp_path: Path, backend: ManagedBackendDouble) -> AsyncIterator[httpx.AsyncClient]:
-    settings = settings_for(tmp_path, admin_key=ADMIN_KEY, api_key=[API_KEY])
+    settings = settings_for(
+        tmp_path, admin_key=ADMIN_KEY, api_key=[API_KEY], adapter_source_roots=["/adapters"]
+    )
     app = create_app(settings, backend=backend)
     transport = httpx.ASGITransport(app)
     async with (

@@ -35,7 +35,11 @@ Variant = tuple[dict[str, str], Check]  # headers to send each generated request
 
 def _schema(tmp_path: Path, backend: ManagedBackendDouble) -> Any:
     settings = settings_for(
-        tmp_path, allowed_media_dir=tmp_path, admin_key=ADMIN_KEY, api_key=[API_KEY]
+        tmp_path,
+        allowed_media_dir=tmp_path,
+        admin_key=ADMIN_KEY,
+        api_key=[API_KEY],
+        adapter_source_roots=["/"],  # generated local sources may name any path
     )
     return schemathesis.openapi.from_asgi("/openapi.json", create_app(settings, backend=backend))
 

@@ -191,7 +191,10 @@ async def admin_with_a_real_manager(
     backend.adapters = make_manager(  # type: ignore[assignment]
         tmp_path, store, AdapterPipeline(store, tmp_path / "base", TINY_LLAMA, 16)
     )
-    app = create_app(settings_for(tmp_path / "cache", admin_key=ADMIN_KEY), backend=backend)
+    settings = settings_for(
+        tmp_path / "cache", admin_key=ADMIN_KEY, adapter_source_roots=[tmp_path]
+    )
+    app = create_app(settings, backend=backend)
     # raise_app_exceptions=False: an escaped exception reads as the plain-text 500 a client sees.
     transport = httpx.ASGITransport(app, raise_app_exceptions=False)
     async with (

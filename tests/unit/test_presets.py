@@ -287,6 +287,7 @@ def settings_for(tmp_path: Path, demo_dir: Path) -> Settings:
         engine_command=STAND_IN,
         probe_interval=0.2,
         admin_key="the-admin",
+        adapter_source_roots=[demo_dir],  # the adapters the admin API is sent
     )
 
 
@@ -391,6 +392,7 @@ def test_a_catalog_shows_the_serving_versions_preset_in_v1_models_id(
         engine_command=STAND_IN,
         probe_interval=0.2,
         admin_key="the-admin",
+        adapter_source_roots=[demo_dir],
     )
     terse = {"defaults": {"max_tokens": 3}, "system_prompt": "Be terse."}
     with serving(create_app(settings)) as url:

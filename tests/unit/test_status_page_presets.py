@@ -69,6 +69,7 @@ def test_the_adapters_table_shows_the_serving_versions_preset(
         probe_interval=0.2,
         admin_key=KEY,
         host="127.0.0.1",
+        adapter_source_roots=[demo_dir],  # the adapter the admin API is sent
     )
     with serving(create_app(settings)) as url:
         wait_ready(url)

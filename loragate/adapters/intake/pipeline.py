@@ -6,6 +6,9 @@ process, so the gateway process never imports it. Whatever fails leaves nothing 
 The version's preset (``preset``) is the one the caller gives (the admin API's or a manifest
 entry's ``preset``), else the ``preset`` of a ``loragate.json`` beside the adapter's files
 (``{"preset": {...}}``), else none; it is checked before anything is stored.
+
+A source an admin client names goes through ``admitted_source`` first: local paths only under
+the adapter source roots.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import dataclasses
 import json
 import logging
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,6 +182,24 @@ class AdapterPipeline:
             return self.store.put_dir(peft_dir, meta, preset)
         except StoreError as exc:
             raise AdapterError(str(exc), code="adapter_store_error") from None
+
+
+async def admitted_source(source: str, local_roots: Sequence[Path]) -> str:
+    """``source`` as an admin client may send it (``admit_client_source``), checked off the
+    event loop (resolving it and walking its links touch the disk). A local path outside
+    ``local_roots`` is a 403 in the same words whatever lies there."""
+    from loragate.adapters.intake.sources import (
+        SourceError,
+        SourceNotAllowed,
+        admit_client_source,
+    )
+
+    try:
+        return await asyncio.to_thread(admit_client_source, source, local_roots)
+    except SourceNotAllowed as exc:
+        raise AdapterError(str(exc), status=403, code="adapter_source_not_allowed") from None
+    except SourceError as exc:
+        raise AdapterError(str(exc), code="adapter_source_error") from None
 
 
 def sidecar_preset(directory: Path, what: str, rules: ParameterRules | None) -> Preset | None:

@@ -102,7 +102,7 @@ def _read(path: Path, inode: int, file_size: int, mtime_ns: int) -> SafetensorsH
         raise SafetensorsError(f"cannot read {path}: {exc.strerror or exc}") from exc
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also a number past Python's digit limit
         raise SafetensorsError(
             f"{path} is corrupt: its header is not valid JSON ({exc}); download or export it again"
         ) from exc

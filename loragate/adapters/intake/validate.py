@@ -9,7 +9,6 @@ engine flag to raise.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from loragate.adapters.intake.peft_layout import (
     parse_lora_key,
 )
 from loragate.adapters.intake.safetensors_header import SafetensorsError, read_safetensors_header
-from loragate.adapters.json_file import read_json_object
+from loragate.adapters.json_file import is_finite_number, read_json_object
 
 # vLLM's --max-lora-rank accepts only these values.
 VALID_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -191,7 +190,7 @@ def _check_config(config: dict[str, Any]) -> None:
             raise AdapterRejected(f"adapter_config.json has no {field}; {CONVERT_HINT}")
     if not isinstance(config["r"], int) or isinstance(config["r"], bool) or config["r"] < 1:
         raise AdapterRejected(
-            f"adapter_config.json r must be a positive integer, got {config['r']!r}"
+            f"adapter_config.json r must be a positive integer, got {_shown(config['r'])}"
         )
     _check_alpha("lora_alpha", config["lora_alpha"])
     for field, check in (("rank_pattern", _check_rank_value), ("alpha_pattern", _check_alpha)):
@@ -200,29 +199,31 @@ def _check_config(config: dict[str, Any]) -> None:
             continue
         if not isinstance(pattern, dict):
             raise AdapterRejected(
-                f"adapter_config.json {field} must map module names to numbers, got {pattern!r}"
+                f"adapter_config.json {field} must map module names to numbers, got "
+                f"{_shown(pattern)}"
             )
         for module, value in pattern.items():
             check(f"{field}[{module!r}]", value)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+def _shown(value: Any) -> str:
+    """``value`` as a message shows it: cut short past 40 characters (a 400-digit number)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:24]}... ({len(text)} characters)"
 
 
 def _check_alpha(field: str, value: Any) -> None:
-    # JSON as Python reads it takes NaN and Infinity: vLLM would scale every weight by them.
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+    # NaN or Infinity, which JSON as Python reads it takes: vLLM would scale every weight by them.
+    if not is_finite_number(value) or value <= 0:
         raise AdapterRejected(
-            f"adapter_config.json {field} must be a finite number above 0, got {value!r}"
+            f"adapter_config.json {field} must be a finite number above 0, got {_shown(value)}"
         )
 
 
 def _check_rank_value(field: str, value: Any) -> None:
-    whole = _is_number(value) and math.isfinite(value) and float(value).is_integer()
-    if not whole or value < 1:
+    if not is_finite_number(value) or not float(value).is_integer() or value < 1:
         raise AdapterRejected(
-            f"adapter_config.json {field} must be a positive whole number, got {value!r}"
+            f"adapter_config.json {field} must be a positive whole number, got {_shown(value)}"
         )
 
 
@@ -332,8 +333,8 @@ def _check_rank(rank: int, max_lora_rank: int) -> None:
     fit = smallest_max_lora_rank(rank)
     if fit is None:
         raise AdapterRejected(
-            f"adapter rank {rank} is above {VALID_MAX_LORA_RANKS[-1]}, the largest --max-lora-rank "
-            f"vLLM accepts (valid values: {valid}); it cannot be served"
+            f"adapter rank {_shown(rank)} is above {VALID_MAX_LORA_RANKS[-1]}, the largest "
+            f"--max-lora-rank vLLM accepts (valid values: {valid}); it cannot be served"
         )
     raise AdapterRejected(
         f"adapter rank {rank} is above the engine's --max-lora-rank {max_lora_rank}; restart the "

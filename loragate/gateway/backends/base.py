@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import orjson
@@ -125,10 +126,15 @@ class AdminBackend(Protocol):
         revision: str | None = None,
         follow: bool = False,
         preset: dict[str, Any] | None = None,
+        *,
+        local_roots: Sequence[Path] | None,
     ) -> dict[str, Any]:
         """Add ``name`` from ``source``, or swap it to a new version; the adapter's record.
         ``preset``: the version's preset as the client sent it (``{}``: none; None: the
-        source's own ``loragate.json``); a bad one is the 400 and changes nothing."""
+        source's own ``loragate.json``); a bad one is the 400 and changes nothing.
+        ``local_roots``: where a local ``source`` may lie (a client's, under
+        ``adapter_source_roots``: elsewhere a 403 that tells nothing of the path); None for a
+        source the operator named, or a caller who holds the gateway user's files already."""
         ...
 
     async def remove_adapter(self, name: str) -> None: ...

@@ -19,7 +19,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -260,7 +262,8 @@ class CatalogBackend:
             await entry.backend.wait_until_prepared()
             log.info("model %s: looking for adapter %s at %s", entry.id, name, redact_urls(source))
             try:
-                await entry.backend.put_adapter(name, source)
+                # An operator's place (adapter_dir, resolvers): read wherever it is.
+                await entry.backend.put_adapter(name, source, local_roots=None)
             except OpenAIError as exc:
                 tried.append(f"{redact_urls(source)}: {exc.message}")
                 continue
@@ -520,10 +523,14 @@ class CatalogBackend:
         revision: str | None = None,
         follow: bool = False,
         preset: dict[str, Any] | None = None,
+        *,
+        local_roots: Sequence[Path] | None,
     ) -> dict[str, Any]:
         entry = self._adapter_owner(name, adding=True)
         await self.make_resident(entry, f"adapter {name} added by an admin")
-        return await entry.backend.put_adapter(name, source, revision, follow, preset)
+        return await entry.backend.put_adapter(
+            name, source, revision, follow, preset, local_roots=local_roots
+        )
 
     async def remove_adapter(self, name: str) -> None:
         await self._adapter_owner(name).backend.remove_adapter(name)

@@ -13,13 +13,14 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from starlette.responses import Response
 
 from loragate.adapters.fleet_reconciler import FleetReconciler
+from loragate.adapters.intake.pipeline import admitted_source
 from loragate.adapters.manager import AdapterError, AdapterManager
 from loragate.adapters.progress import WaitProgress, current_progress
 from loragate.adapters.slots import AdapterSlots
@@ -76,7 +77,10 @@ class SupervisedEngineBackend:
         )
         self.supervisor.queue_size = settings.queue_size
         self.engine = EngineClient(self.supervisor)
-        self.proxy = ProxyClient(silence_limit=settings.upstream_timeout or None)
+        self.proxy = ProxyClient(
+            silence_limit=settings.upstream_timeout or None,
+            max_answer_bytes=settings.max_answer_bytes,
+        )
         self.manager: AdapterManager | None = None
         self.slots: AdapterSlots | None = None
         self.model_dir: Path | None = None
@@ -552,9 +556,13 @@ class SupervisedEngineBackend:
         revision: str | None = None,
         follow: bool = False,
         preset: dict[str, Any] | None = None,
+        *,
+        local_roots: Sequence[Path] | None,
     ) -> dict[str, Any]:
         manager = self._changeable_manager()
         try:
+            if local_roots is not None:
+                source = await admitted_source(source, local_roots)
             return await manager.put(name, source, revision, follow, preset=preset)
         except AdapterError as exc:
             raise _refusal(exc) from None

@@ -62,7 +62,10 @@ class UpstreamBackend:
             else {}
         )
         self._timeout = settings.probe_timeout
-        self.proxy = ProxyClient(silence_limit=settings.upstream_timeout or None)
+        self.proxy = ProxyClient(
+            silence_limit=settings.upstream_timeout or None,
+            max_answer_bytes=settings.max_answer_bytes,
+        )
         self._upstream_ids: list[str] = []
         self._max_model_len: int | None = None
         self._ready = False

@@ -13,10 +13,12 @@ format's JSON Schema (``structured_outputs``), Vi's generation config.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from itertools import compress, repeat
 from typing import Any
 
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.requests.content_parts import check_part, is_image_type
+from loragate.gateway.requests.content_parts import check_part, is_image_type, plain_text
 from loragate.gateway.requests.images.limits import ImageBudget
 from loragate.gateway.requests.images.resolve import MediaPolicy, media_policy_of
 from loragate.gateway.requests.images.vision_model import model_takes_images, model_takes_video
@@ -153,8 +155,8 @@ def _refuse_video_parts(messages: Any, settings: Settings) -> None:
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
-        for at, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") == "video_url":
+        for at, part in _objects_in(content):
+            if part.get("type") == "video_url":
                 if model_takes_video(settings) is not False:
                     return
                 raise _bad(
@@ -177,7 +179,7 @@ async def _check_messages(
             param="messages",
             code="too_many_messages",
         )
-    parts: list[tuple[list[Any], int, str]] = []
+    images = 0
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, dict):
@@ -196,13 +198,8 @@ async def _check_messages(
             raise _bad(
                 f"{where}.content must be a string or an array of parts.", param=f"{where}.content"
             )
-        parts += [(content, i, f"{where}.content[{i}]") for i in range(len(content))]
+        images += sum(1 for _, part in _objects_in(content) if is_image_type(part.get("type")))
     # Counted before any image is read, fetched or decoded.
-    images = sum(
-        1
-        for content, i, _ in parts
-        if isinstance(content[i], dict) and is_image_type(content[i].get("type"))
-    )
     if images > max_images:
         raise _bad(
             f"The request has {images} images; this gateway allows {max_images} per request "
@@ -210,8 +207,20 @@ async def _check_messages(
             param="messages",
             code="too_many_images",
         )
-    for content, i, where in parts:
-        content[i] = await check_part(content[i], where, media, budget)
+    for index, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for i, part in enumerate(content):
+            if not plain_text(part):  # most parts: checked without a name made for them
+                where = f"messages[{index}].content[{i}]"
+                content[i] = await check_part(part, where, media, budget)
+
+
+def _objects_in(content: list[Any]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The objects among ``content``'s parts, with their indexes; the others passed over
+    inside C (``compress``), not a Python step each."""
+    return compress(enumerate(content), map(isinstance, content, repeat(dict)))
 
 
 def _has_image(messages: list[dict[str, Any]]) -> bool:

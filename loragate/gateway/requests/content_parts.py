@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from loragate.gateway.errors import OpenAIError
+from loragate.gateway.requests.body import Key, containers, json_path
 from loragate.gateway.requests.images.limits import ImageBudget
 from loragate.gateway.requests.images.resolve import MediaPolicy, media_policy_of
 from loragate.settings import Settings
@@ -33,6 +34,18 @@ def _bad(message: str, param: str, code: str = "invalid_request") -> OpenAIError
 
 def is_image_type(kind: object) -> bool:
     return isinstance(kind, str) and kind in IMAGE_PART_TYPES  # a list would be unhashable
+
+
+def plain_text(part: Any) -> bool:
+    """A text part that ``check_part`` would give back as it is (most parts are)."""
+    if type(part) is not dict:
+        return False
+    kind = part.get("type")
+    if type(kind) is not str or kind not in TEXT_PART_TYPES:
+        return False
+    if kind == "text" and not isinstance(part.get("text"), str):
+        return False
+    return not any(key in part for key in URL_FIELDS)
 
 
 async def check_part(part: Any, where: str, media: MediaPolicy, budget: ImageBudget) -> Any:
@@ -87,9 +100,6 @@ async def check_part(part: Any, where: str, media: MediaPolicy, budget: ImageBud
 
 # ----- every other JSON body: the same policy, wherever in the body a part sits ---------------
 
-# How deep a forwarded body may nest: far past any real request (a JSON Schema included), and
-# short of the depth where walking it, or writing it again for the engine, would fail.
-MAX_BODY_DEPTH = 64
 # Fields the engine fetches media from: wherever they sit, the gateway checks them first.
 FETCHED_FIELDS = ("image_url", "audio_url", "video_url", "file_url")
 _INLINE_ONLY = ("audio_url", "video_url", "file_url")  # the gateway fetches images alone
@@ -109,30 +119,15 @@ def _is_media_part(node: dict[str, Any]) -> bool:
     return any(_url_of(node.get(field)) is not None for field in FETCHED_FIELDS)
 
 
-def media_parts(body: Any) -> list[tuple[dict[str, Any], str]]:
-    """Every object in ``body`` the engine would read media from, with where it is, in the
-    body's order; a 400 for a body nested deeper than ``MAX_BODY_DEPTH``."""
-    found: list[tuple[dict[str, Any], str]] = []
-    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
-    while stack:
-        node, where, depth = stack.pop()
-        if not isinstance(node, dict | list):
-            continue
-        if depth > MAX_BODY_DEPTH:
-            raise _bad(
-                f"The request body nests deeper than {MAX_BODY_DEPTH} levels (at {where}); "
-                "no request needs that.",
-                param=where,
-                code="body_too_deep",
-            )
-        if isinstance(node, list):
-            children = [(item, f"{where}[{i}]") for i, item in enumerate(node)]
-        else:
-            if _is_media_part(node):
-                found.append((node, where))
-            children = [(v, f"{where}.{k}" if where else str(k)) for k, v in node.items()]
-        stack.extend((child, at, depth + 1) for child, at in reversed(children))
-    return found
+def media_parts(body: Any) -> list[tuple[dict[str, Any], tuple[Key, ...]]]:
+    """Every object in ``body`` the engine would read media from, with the keys that lead to
+    it (``json_path`` makes them a name), in the body's order. A step per object or array
+    (``body.containers``; the body's shape was capped when it was parsed)."""
+    return [
+        (node, tuple(keys))
+        for node, keys in containers(body)
+        if type(node) is dict and _is_media_part(node)
+    ]
 
 
 async def check_body_media(
@@ -143,20 +138,20 @@ async def check_body_media(
     chat route's policy and budgets), in the shape it came in; audio, video and files must be
     inline already. 4xx naming the field; nothing is fetched when the count is over."""
     parts = media_parts(body)
-    images = [where for part, where in parts if is_image_type(part.get("type"))] + [
-        where
-        for part, where in parts
+    images = [keys for part, keys in parts if is_image_type(part.get("type"))] + [
+        keys
+        for part, keys in parts
         if not is_image_type(part.get("type")) and _url_of(part.get("image_url")) is not None
     ]
     if len(images) > max_images:
         raise _bad(
             f"The request has {len(images)} images; this gateway allows {max_images} per request "
             "(max_images_per_request).",
-            param=images[0].split(".", 1)[0].split("[", 1)[0],
+            param=json_path(images[0][:1]),
             code="too_many_images",
         )
-    for part, where in parts:
-        await _check_in_place(part, where, media, budget)
+    for part, keys in parts:
+        await _check_in_place(part, json_path(keys), media, budget)
 
 
 async def _check_in_place(

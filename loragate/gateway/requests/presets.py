@@ -3,7 +3,9 @@
 The backend calls ``apply_preset`` once it has leased the version that will answer (the lease
 names it), so each request gets the preset of the version that served it, whatever swap or
 rollback happens meanwhile. What a request sends wins over the preset's defaults, never over
-its clamps: a value above a clamp is a 400 naming the parameter. ``parameter_rules`` checks a
+its clamps: a value above a clamp is a 400 naming the parameter. The token limit the gateway
+fills in where a request asks none (``CapFill``, --max-tokens-cap) is no ask: the preset's
+own limit takes its place, within the cap. ``parameter_rules`` checks a
 preset's defaults and clamps with the generation-parameter table (``parameters.PARAMETERS``),
 the same checks a request's own values get.
 """
@@ -34,6 +36,18 @@ _TAKES: dict[Route, frozenset[str]] = {
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 # A request that asks for structured output its own way keeps it (no default format added).
 _OWN_FORMAT = ("response_format", "structured_outputs", "guided_json", "guided_regex")
+
+
+class CapFill(int):
+    """The token limit the gateway set on a request that asked none: its ``cap``
+    (--max-tokens-cap), or the engine's own default when lower. An ``int`` to all else."""
+
+    cap: int
+
+    def __new__(cls, value: int, cap: int | None = None) -> CapFill:
+        fill = super().__new__(cls, value)
+        fill.cap = value if cap is None else cap  # None: as a copy is made, ``cap`` set after
+        return fill
 
 
 def parameter_rules(name: str, value: Any) -> None:
@@ -81,8 +95,10 @@ def shaped_body(
 def apply_preset(preset: Preset, payload: dict[str, Any], route: Route) -> dict[str, Any]:
     """``payload`` as ``preset`` shapes it (a new dict: ``payload`` is left as it was, so a
     request sent again after an engine restart is shaped afresh); 400 when it breaks a clamp."""
+    shaped = dict(payload)
+    fill = next((shaped.pop(n) for n in _TOKEN_LIMITS if isinstance(shaped.get(n), CapFill)), None)
     for name, limit in preset.clamps.items():
-        value = payload.get(name)
+        value = shaped.get(name)
         if isinstance(value, int | float) and not isinstance(value, bool) and value > limit:
             raise OpenAIError(
                 400,
@@ -90,7 +106,6 @@ def apply_preset(preset: Preset, payload: dict[str, Any], route: Route) -> dict[
                 param=name,
                 code="preset_clamp_exceeded",
             )
-    shaped = dict(payload)
     takes = _TAKES[route]
     for name, value in preset.defaults.items():
         if name in takes and shaped.get(name) is None and _fits(name, value, route):
@@ -98,6 +113,12 @@ def apply_preset(preset: Preset, payload: dict[str, Any], route: Route) -> dict[
     for name in _TOKEN_LIMITS:  # no limit asked: the clamp is the limit
         if name in preset.clamps and all(shaped.get(n) is None for n in _TOKEN_LIMITS):
             shaped[name] = int(preset.clamps[name])
+    if fill is not None:  # the request asked no limit: the preset's, within the cap, or the fill
+        limits = [name for name in _TOKEN_LIMITS if shaped.get(name) is not None]
+        for name in limits:
+            shaped[name] = min(shaped[name], fill.cap)
+        if not limits:
+            shaped["max_tokens"] = fill
     if preset.stop:
         own = shaped.get("stop")
         own = [own] if isinstance(own, str) else list(own or [])

@@ -4,10 +4,10 @@ sees them."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from loragate.gateway.errors import OpenAIError
+from loragate.gateway.requests.body import parse_json
 
 # vLLM dropped these in favour of ``structured_outputs`` and now ignores them silently.
 _GUIDED_TO_STRUCTURED = {
@@ -23,10 +23,13 @@ def _bad(message: str, param: str, code: str = "invalid_request") -> OpenAIError
 
 
 def _schema_text(text: str, param: str) -> Any:
-    """A JSON schema sent as a string, parsed (vLLM accepts both forms)."""
+    """A JSON schema sent as a string, parsed (vLLM accepts both forms) under the body's own
+    shape limits (``body.parse_json``): it is a body inside the body."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        return parse_json(text, f"'{param}'", param)
+    except OpenAIError as exc:
+        if exc.code != "invalid_json":
+            raise
         raise _bad(
             f"'{param}' is not valid JSON.", param=param, code="invalid_json_schema"
         ) from None

@@ -8,6 +8,7 @@ body is read, so a refused one buffers nothing.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -55,6 +56,16 @@ def _admin(request: Request) -> AdminBackend:
     return admin_of(gateway.backend)
 
 
+def _local_roots(request: Request) -> list[Path] | None:
+    """Where a local source this admin client names may lie: under ``adapter_source_roots``;
+    anywhere (None) when the only key is the per-start token, which only the gateway's own
+    user (the CLI on its machine) can read, and who reads those files already."""
+    gateway: Gateway = request.app.state.gateway
+    if gateway.admin_token is not None:
+        return None
+    return gateway.settings.source_roots()
+
+
 @router.get("/admin/adapters")
 async def list_adapters(request: Request) -> dict[str, Any]:
     return {"object": "list", **_admin(request).adapters_report()}
@@ -85,7 +96,10 @@ async def put_adapter(name: str, request: Request) -> dict[str, Any]:
     backend = _admin(request)
     backend.admit_adapter_change()
     body = await _adapter_request(request)
-    return await backend.put_adapter(name, body.source, body.revision, body.follow, body.preset)
+    roots = _local_roots(request)
+    return await backend.put_adapter(
+        name, body.source, body.revision, body.follow, body.preset, local_roots=roots
+    )
 
 
 @router.delete("/admin/adapters/{name}")
@@ -110,7 +124,7 @@ async def load_lora_adapter(request: Request) -> Response:
         raise OpenAIError(
             400, "send {'lora_name': NAME, 'lora_path': SOURCE}", code="invalid_request"
         )
-    await backend.put_adapter(name, path)
+    await backend.put_adapter(name, path, local_roots=_local_roots(request))
     return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
 

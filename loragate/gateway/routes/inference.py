@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -22,7 +23,7 @@ from starlette.types import Receive
 
 from loragate.gateway import spans
 from loragate.gateway.auth import HasHeaders
-from loragate.gateway.errors import OpenAIError, model_not_found
+from loragate.gateway.errors import OpenAIError, client_closed, model_not_found
 from loragate.gateway.metrics import current_observation
 from loragate.gateway.requests.body import read_json_object
 from loragate.gateway.runtime import Gateway
@@ -33,12 +34,15 @@ router = APIRouter()
 # Request ids must be unique, not secret: a PRNG seeded from the OS is enough, and, unlike
 # uuid4(), costs no system call per request.
 _ids = random.Random()
+# A client's id is written into the access log, log lines and trace attributes, and sent to
+# the engine: one word of a plain alphabet, so it cannot pass for other text (a forged line).
+_SAFE_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 def _request_id(headers: Mapping[str, str]) -> str:
-    """The client's X-Request-ID when it is sane, else a new one."""
+    """The client's X-Request-ID when it is one word of ``_SAFE_ID``'s alphabet, else a new one."""
     given = headers.get("x-request-id")
-    if given and len(given) <= 128 and given.isprintable():
+    if given and _SAFE_ID.fullmatch(given):
         return given
     return f"{_ids.getrandbits(128):032x}"
 
@@ -212,9 +216,7 @@ async def unless_client_leaves(receive: Receive, answer: Awaitable[Response]) ->
         task = asyncio.current_task()
         if not left or (task is not None and task.cancelling()):
             raise
-        return OpenAIError(
-            499, "the client closed the connection before its answer", code="client_closed_request"
-        ).response()
+        return client_closed().response()
     finally:
         watcher.cancel()
 

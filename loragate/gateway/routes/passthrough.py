@@ -57,23 +57,13 @@ def _bad(message: str, param: str, code: str = "unsupported_content_part") -> Op
 
 
 async def check_responses_request(payload: dict[str, Any], settings: Settings) -> None:
-    """Check ``payload`` in place: images become checked data URIs, limits apply; 4xx if bad."""
-    cap = settings.max_tokens_cap
+    """Check ``payload`` in place: images become checked data URIs; 4xx if bad. (The token
+    cap is the gateway's, on every generation route: ``Gateway.cap_tokens``.)"""
     limit = payload.get("max_output_tokens")
-    if limit is not None:
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise _bad(
-                "'max_output_tokens' must be a positive integer",
-                "max_output_tokens",
-                "invalid_value",
-            )
-        if cap is not None and limit > cap:
-            raise _bad(
-                f"'max_output_tokens' is {limit}, above this gateway's cap of {cap} "
-                "(--max-tokens-cap)",
-                "max_output_tokens",
-                "max_tokens_too_large",
-            )
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise _bad(
+            "'max_output_tokens' must be a positive integer", "max_output_tokens", "invalid_value"
+        )
     _check_tools(payload.get("tools"))
     # Parts sit in input items' content, bare in input, and in a function_call_output's output.
     await check_forwarded_media(payload, settings)
@@ -120,6 +110,7 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
 async def _json_route(gateway: Gateway, route: EngineRoute, request: Request) -> Response:
     request_id = admit(gateway, request)
     payload = await read_json_object(request, gateway.settings.max_body_bytes)
+    gateway.cap_tokens(route.path, payload)  # --max-tokens-cap, on the generation routes
     if route.path == "/v1/responses":
         await check_responses_request(payload, gateway.settings)
     else:  # messages, documents, queries: the engine would fetch their media URLs itself

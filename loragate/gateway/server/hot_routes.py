@@ -24,7 +24,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from loragate.gateway.errors import OpenAIError
+from loragate.gateway.errors import OpenAIError, nested_too_deeply
 from loragate.gateway.metrics import RequestObservation, current_observation, note_sent, settle
 from loragate.gateway.proxy import RelayResponse
 from loragate.gateway.requests.body import (
@@ -72,6 +72,8 @@ async def answer(gateway: Gateway, exchange: Exchange, endpoint: inference.Endpo
             response = await _respond(gateway, exchange, endpoint)
         except OpenAIError as exc:
             response = exc.response()
+        except RecursionError:  # a backend's own, the body's being capped at its parse
+            response = nested_too_deeply().response()
         observation.status = response.status_code
         if isinstance(response, RelayResponse):
             await _relay(exchange, response, observation)

@@ -17,12 +17,14 @@ environment) is checked by ``source_networks``: no loopback, private or link-loc
 unless ``allowed_source_networks`` names it.
 
 ``source_fingerprint`` gives a cheap marker that changes when the source does, for
-follow mode: it never downloads the adapter itself.
+follow mode: it never downloads the adapter itself. ``admit_client_source`` is what an admin
+client may name: local paths only under the adapter source roots.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from loragate.adapters.intake.archives import (
@@ -34,28 +36,69 @@ from loragate.adapters.intake.downloads import DEFAULT_DEADLINE, DEFAULT_TIMEOUT
 from loragate.adapters.intake.source_networks import SourceAddressRefused
 from loragate.adapters.intake.sources.fetched import FetchedSource, FetchLimits, SourceError
 from loragate.adapters.intake.sources.hub import fetch_hf, hf_fingerprint
-from loragate.adapters.intake.sources.local import fetch_local, local_fingerprint
+from loragate.adapters.intake.sources.local import (
+    SourceNotAllowed,
+    admit_local_path,
+    fetch_local,
+    local_fingerprint,
+    resolved_under,
+)
 from loragate.adapters.intake.sources.tinker import fetch_tinker, tinker_fingerprint
 from loragate.adapters.intake.sources.url import fetch_url, url_fingerprint
 
-__all__ = ["FetchedSource", "SourceError", "fetch_source", "hub_source_of", "source_fingerprint"]
+__all__ = [
+    "FetchedSource",
+    "SourceError",
+    "SourceNotAllowed",
+    "admit_client_source",
+    "fetch_source",
+    "hub_source_of",
+    "source_fingerprint",
+]
 
 # ORG/REPO[@REV] as the hub spells ids: one slash, no leading "/", "./" or "~", which say "a path".
 _BARE_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(?:@[^/\s]+)?$")
 _ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
+_REMOTE_SCHEMES = ("hf://", "https://", "http://", "tinker://")
+# ``ftp://...``, ``s3://...``, ``javascript:...``: an address of a kind no source module reads.
+_OTHER_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def hub_source_of(source: str) -> str:
     """``hf://ORG/REPO[@REV]`` for a bare hub id that names no existing local path (vLLM's
     ``--lora-modules`` takes ``org/repo`` so); any other source as it is, so that a missing
     path (``/srv/x``, ``./x``, ``~/x``, ``a/b/c``, ``dir/x.tar.gz``) still says it is missing."""
-    if (
-        _BARE_HUB_ID.match(source)
-        and not source.lower().endswith(_ARCHIVE_SUFFIXES)
-        and not Path(source).exists()
-    ):
+    if _looks_like_a_hub_id(source) and not Path(source).exists():
         return "hf://" + source
     return source
+
+
+def admit_client_source(source: str, local_roots: Sequence[Path]) -> str:
+    """``source`` as an admin client may send it, else ``SourceNotAllowed`` (or
+    ``SourceError`` for an address of a kind no source module reads).
+
+    hf://, http(s):// and tinker:// sources pass as they are (``source_networks`` checks
+    where they lead). A local path must lie under ``local_roots`` (``admit_local_path``) and
+    comes back resolved, so that what is fetched is what was checked. A bare ``ORG/REPO`` is
+    a local path only when it names one under a root; else it is the hub's, whether or not
+    such a path exists elsewhere, so it tells nothing of the files outside the roots.
+    """
+    if source.startswith(_REMOTE_SCHEMES):
+        return source
+    if _OTHER_SCHEME.match(source) and not source.startswith("file://"):
+        raise SourceError(
+            f"adapter source {source!r} is not a local path, nor an hf://, https:// or "
+            "tinker:// address"
+        )
+    if _looks_like_a_hub_id(source):
+        local = resolved_under(source, local_roots)
+        if local is None or not local.exists():
+            return "hf://" + source
+    return str(admit_local_path(source, local_roots))
+
+
+def _looks_like_a_hub_id(source: str) -> bool:
+    return bool(_BARE_HUB_ID.match(source)) and not source.lower().endswith(_ARCHIVE_SUFFIXES)
 
 
 def fetch_source(
