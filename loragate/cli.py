@@ -1,5 +1,6 @@
 """The ``gateway`` (alias ``loragate``) command line: the root command and the small
-subcommands; ``serve`` and the ``adapters`` group have their own modules."""
+subcommands; ``serve``, ``chat``, ``status`` and the ``adapters`` group have their own
+modules, and ``cli_help`` the plain help they all print."""
 
 from __future__ import annotations
 
@@ -12,22 +13,18 @@ from typing import Annotated
 import typer
 
 from loragate.cli_adapters import adapters_app, models_app
-from loragate.cli_admin import (
-    DEFAULT_URL,
-    AdminKeyOption,
-    CacheDirOption,
-    UrlOption,
-    admin_request,
-)
+from loragate.cli_chat import chat
 from loragate.cli_errors import FAILURE, fail
+from loragate.cli_help import PlainCommand, plain_typer
 from loragate.cli_serve import ServeCommand, demo, serve
+from loragate.cli_status import status
 
 HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
-app = typer.Typer(
+app = plain_typer(
     help="loragate: serve your own fine-tuned LoRA adapters locally, hot-swapped, behind one "
     "OpenAI-compatible endpoint.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     context_settings=HELP_OPTIONS,
 )
 app.add_typer(adapters_app, name="adapters", context_settings=HELP_OPTIONS)
@@ -57,24 +54,33 @@ def _root(
 
 app.command(cls=ServeCommand)(serve)
 app.command(cls=ServeCommand)(demo)
+app.command(cls=PlainCommand)(chat)
+app.command(cls=PlainCommand)(status)
 
 
-@app.command()
+@app.command(cls=PlainCommand)
 def pull(
-    model: str,
+    model: Annotated[
+        str, typer.Argument(metavar="MODEL", help="A Hugging Face id or a GGUF file.")
+    ],
     cache_dir: Annotated[
-        Path | None, typer.Option(help="Cache dir (default: ~/.cache/loragate).")
+        Path | None,
+        typer.Option(metavar="PATH", help="Cache dir (default: ~/.cache/loragate)."),
     ] = None,
     engine_python: Annotated[
         str | None,
         typer.Option(
             envvar="LORAGATE_ENGINE_PYTHON",
+            metavar="PATH",
             help="Python with torch and transformers, to dequantize a GGUF (default: this one).",
         ),
     ] = None,
     dtype: Annotated[
         str | None,
-        typer.Option(help="The engine's --dtype a GGUF is dequantized for (default: bfloat16)."),
+        typer.Option(
+            metavar="DTYPE",
+            help="The engine's --dtype a GGUF is dequantized for (default: bfloat16).",
+        ),
     ] = None,
 ) -> None:
     """Download a base model into the cache (with progress), for offline serving later.
@@ -108,35 +114,14 @@ def pull(
     typer.echo(f"{model} is cached at {path}")
 
 
-@app.command()
-def status(
-    url: UrlOption = DEFAULT_URL,
-    admin_key: AdminKeyOption = None,
-    cache_dir: CacheDirOption = None,
-) -> None:
-    """Engine state, pid, restarts and adapters of a running gateway; for a catalog of base
-    models, each model's engine, and the models (residency, memory, last use, loads) and swaps."""
-    engine = admin_request(url, admin_key, "GET", "/admin/engine", cache_dir=cache_dir)
-    adapters = admin_request(url, admin_key, "GET", "/admin/adapters", cache_dir=cache_dir)
-    report = {"engine": engine, "adapters": adapters.get("data", [])}
-    if "base_models" in adapters:  # a catalog: /admin/engine has one engine per model
-        for model_engine in engine.values():
-            model_engine.pop("log_tail", None)
-        catalog = admin_request(url, admin_key, "GET", "/admin/models", cache_dir=cache_dir)
-        catalog.pop("object", None)
-        report["catalog"] = catalog
-    else:
-        engine.pop("log_tail", None)
-    typer.echo(json.dumps(report, indent=2))
-
-
-@app.command("systemd-unit")
+@app.command("systemd-unit", cls=PlainCommand)
 def systemd_unit(
     user_mode: Annotated[
         bool, typer.Option("--user", help="A unit for `systemctl --user`.")
     ] = False,
     environment_file: Annotated[
-        Path | None, typer.Option(help="EnvironmentFile= for LORAGATE_* settings.")
+        Path | None,
+        typer.Option(metavar="PATH", help="EnvironmentFile= for LORAGATE_* settings."),
     ] = None,
     run_as: Annotated[
         str,
@@ -167,7 +152,7 @@ def systemd_unit(
     typer.echo(unit, nl=False)
 
 
-@app.command("config-schema")
+@app.command("config-schema", cls=PlainCommand)
 def config_schema() -> None:
     """Print the JSON schema of `gateway serve`'s config file (TOML or YAML), for editors
     and CI: every setting, its type, limits and default; unknown keys refused."""

@@ -20,7 +20,12 @@ from loragate.cli_admin import (
     local_admin_token,
 )
 from loragate.cli_errors import FAILURE, fail
+from loragate.cli_help import PlainCommand, plain_typer
 
+_SOURCE_HELP = (
+    "A local dir or archive, hf://ORG/REPO[@REV], an archive URL, a Tinker checkpoint or a "
+    "Vi run (docs/adapters.md)."
+)
 # The largest rank vLLM accepts at all: the engine's own --max-lora-rank is checked at load.
 _ANY_ENGINE_RANK = 512
 
@@ -59,17 +64,18 @@ def convert_command(source: str, out: Path, base: str, cache_dir: Path) -> Path:
     return out
 
 
-adapters_app = typer.Typer(
+adapters_app = plain_typer(
     help="Manage the adapters of a running gateway (admin API).", no_args_is_help=True
 )
 
 
-@adapters_app.command("add")
+@adapters_app.command("add", cls=PlainCommand)
 def adapters_add(
-    name: str,
-    source: str,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The adapter's name.")],
+    source: Annotated[str, typer.Argument(metavar="SOURCE", help=_SOURCE_HELP)],
     revision: Annotated[
-        str | None, typer.Option(help="Revision, branch or tag at the source.")
+        str | None,
+        typer.Option(metavar="REV", help="Revision, branch or tag at the source."),
     ] = None,
     follow: Annotated[
         bool, typer.Option("--follow", help="Watch the source and swap new versions in.")
@@ -112,7 +118,7 @@ def _progress_record(url: str, admin_key: str | None, name: str) -> dict[str, An
     return record if isinstance(record, dict) else None
 
 
-@adapters_app.command("list")
+@adapters_app.command("list", cls=PlainCommand)
 def adapters_list(
     url: UrlOption = DEFAULT_URL,
     admin_key: AdminKeyOption = None,
@@ -135,9 +141,9 @@ def adapters_list(
         )
 
 
-@adapters_app.command("remove")
+@adapters_app.command("remove", cls=PlainCommand)
 def adapters_remove(
-    name: str,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The adapter's name.")],
     url: UrlOption = DEFAULT_URL,
     admin_key: AdminKeyOption = None,
     cache_dir: CacheDirOption = None,
@@ -147,9 +153,9 @@ def adapters_remove(
     typer.echo(f"{name} removed")
 
 
-@adapters_app.command("rollback")
+@adapters_app.command("rollback", cls=PlainCommand)
 def adapters_rollback(
-    name: str,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The adapter's name.")],
     url: UrlOption = DEFAULT_URL,
     admin_key: AdminKeyOption = None,
     cache_dir: CacheDirOption = None,
@@ -161,16 +167,23 @@ def adapters_rollback(
     typer.echo(f"{name} now serves version {result['version'][:12]}")
 
 
-@adapters_app.command("convert")
+@adapters_app.command("convert", cls=PlainCommand)
 def adapters_convert(
-    source: str,
-    out: Path,
+    source: Annotated[str, typer.Argument(metavar="SOURCE", help=_SOURCE_HELP)],
+    out: Annotated[
+        Path, typer.Argument(metavar="OUT", help="A new (or empty) directory to write.")
+    ],
     base: Annotated[
-        str, typer.Option("--base", help="The base model dir (or HF id) the adapter is for.")
+        str,
+        typer.Option(
+            "--base", metavar="MODEL", help="The base model dir (or HF id) the adapter is for."
+        ),
     ],
     cache_dir: Annotated[
         Path | None,
-        typer.Option(help="Cache dir for a base model id (default: ~/.cache/loragate)."),
+        typer.Option(
+            metavar="PATH", help="Cache dir for a base model id (default: ~/.cache/loragate)."
+        ),
     ] = None,
 ) -> None:
     """Offline: convert any supported adapter format to the PEFT layout vLLM loads."""
@@ -183,13 +196,13 @@ def adapters_convert(
     typer.echo(f"wrote a PEFT adapter to {out}")
 
 
-models_app = typer.Typer(
+models_app = plain_typer(
     help="List, load and unload the base models of a running gateway's catalog (admin API).",
     no_args_is_help=True,
 )
 
 
-@models_app.command("list")
+@models_app.command("list", cls=PlainCommand)
 def models_list(
     url: UrlOption = DEFAULT_URL,
     admin_key: AdminKeyOption = None,
@@ -208,9 +221,9 @@ def models_list(
     typer.echo(f"swaps: {result.get('swaps', 0)}")
 
 
-@models_app.command("load")
+@models_app.command("load", cls=PlainCommand)
 def models_load(
-    name: str,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The base model's id.")],
     url: UrlOption = DEFAULT_URL,
     admin_key: AdminKeyOption = None,
     cache_dir: CacheDirOption = None,
@@ -220,9 +233,9 @@ def models_load(
     typer.echo(f"{row['id']}: {row['residency']} ({row['state']})")
 
 
-@models_app.command("unload")
+@models_app.command("unload", cls=PlainCommand)
 def models_unload(
-    name: str,
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The base model's id.")],
     url: UrlOption = DEFAULT_URL,
     admin_key: AdminKeyOption = None,
     cache_dir: CacheDirOption = None,

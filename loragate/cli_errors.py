@@ -12,14 +12,19 @@ FAILURE = 1
 
 
 def fail(message: str, code: int = USAGE) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    show_error(message)
     raise typer.Exit(code)
+
+
+def show_error(message: str) -> None:
+    """The ``error:`` line alone, for a command that goes on (`gateway chat` at its prompt)."""
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
 
 
 def fail_each(problems: list[str], code: int = USAGE) -> None:
     """Several problems found at once (the settings' errors): an ``error:`` line each."""
     for problem in problems[:-1]:
-        typer.secho(f"error: {problem}", fg=typer.colors.RED, err=True)
+        show_error(problem)
     fail(problems[-1] if problems else "invalid settings", code)
 
 

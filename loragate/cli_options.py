@@ -1,23 +1,16 @@
 """`gateway serve`'s options, built from the ``Settings`` fields marked ``serve_option``, and
-the plain help that shows them.
+the sections its help shows them in (``cli_help`` prints it).
 
 Each setting is declared once, in its ``loragate.settings`` field group: its type, default,
 constraints and description there become the option's type, metavar, help and
 ``(default: ...)`` here. Every option defaults to None, meaning "not given", so the
 environment and the config file still apply.
-
-The help is plain text, one option per line with its help indented beneath (as ``vllm serve
---help`` and git do), so that no option name is ever cut, at any width: rich's table cut
-``--pretrained-model-name-or-path`` to ``--pretrai…`` at 80 columns, and a script that read
-the help dropped the flag.
 """
 
 from __future__ import annotations
 
 import enum
 import inspect
-import shutil
-import textwrap
 import types
 import typing
 from pathlib import Path
@@ -84,8 +77,6 @@ METAVAR_OF = {
     "allowed_source_networks": "NETWORK",
     "adapter_source_roots": "DIR",
 }
-_WIDEST = 100  # past this, lines of help get hard to read however wide the terminal
-_HELP_INDENT = 6
 
 
 def serve_parameters() -> list[inspect.Parameter]:
@@ -198,70 +189,9 @@ def _help(name: str, field: FieldInfo) -> str:
     return f"{text} (default: {shown})"
 
 
-def format_help(command: Any, ctx: typer.Context, usage_tail: str = "") -> str:
-    """``command``'s help as plain text: usage, description, then each section's options, one
-    per entry: every name and the metavar (wrapped between names, never inside one), the help
-    beneath, and the environment variables that set it."""
-    columns = ctx.terminal_width or shutil.get_terminal_size().columns
-    width = max(min(columns, ctx.max_content_width or _WIDEST, _WIDEST), 40)
-    pieces = " ".join(command.collect_usage_pieces(ctx))
-    lines = _wrap(f"Usage: {ctx.command_path} {pieces}{usage_tail}", width, 0, 4)
-    for paragraph in inspect.cleandoc(command.help or "").split("\n\n"):
-        lines += ["", *_wrap(paragraph, width, 2)]
-    params = command.get_params(ctx)
-    # typer's own click (typer._click): told apart by kind, not by class.
-    arguments = [p for p in params if p.param_type_name == "argument"]
-    if arguments:
-        lines += ["", "Arguments:"]
-        for argument in arguments:
-            lines += [f"  {argument.metavar or (argument.name or '').upper()}"]
-            lines += _wrap(getattr(argument, "help", None) or "", width, _HELP_INDENT)
-    sections: dict[str, list[Any]] = {}
-    for param in params:
-        if param.param_type_name == "option" and not param.hidden:
-            panel = getattr(param, "rich_help_panel", None) or GENERAL
-            sections.setdefault(panel, []).append(param)
-    order = [*PANELS, *(panel for panel in sections if panel not in PANELS)]
-    for panel in (panel for panel in order if panel in sections):
-        lines += ["", f"{panel}:"]
-        for option in sections[panel]:
-            lines += _option_entry(option, width)
-    return "\n".join(lines) + "\n"
-
-
-def _option_entry(option: Any, width: int) -> list[str]:
-    names = [*option.opts, *option.secondary_opts]
-    names = [*(f"{name}," for name in names[:-1]), names[-1]]
-    if not option.is_flag and option.metavar:
-        names.append(option.metavar)
-    lines = _wrap(" ".join(names), width, 2, 4)
-    lines += _wrap(option.help or "", width, _HELP_INDENT)
-    envvars = _envvars(option)
-    if envvars:
-        lines += _wrap(f"[env: {', '.join(envvars)}]", width, _HELP_INDENT)
-    return lines
-
-
-def _envvars(option: Any) -> list[str]:
-    """The variables that set ``option``: its own (read by the command line) and, for a
-    setting, the ``LORAGATE_*`` one the settings read."""
-    own = option.envvar
-    names = [own] if isinstance(own, str) else list(own or [])
-    if option.name in Settings.model_fields:
-        names.append(f"{Settings.model_config.get('env_prefix', '')}{option.name.upper()}")
-    return names
-
-
-def _wrap(text: str, width: int, indent: int, later: int | None = None) -> list[str]:
-    """``text`` filled to ``width``, breaking only at spaces: a flag, a URL or a path is
-    never cut (one longer than the line stands alone on its line)."""
-    if not text:
+def setting_envvars(option: Any) -> list[str]:
+    """The ``LORAGATE_*`` variable the settings read for a serve option (its help shows it
+    beside the option's own)."""
+    if option.name not in Settings.model_fields:
         return []
-    return textwrap.wrap(
-        " ".join(text.split()),
-        width=width,
-        initial_indent=" " * indent,
-        subsequent_indent=" " * (indent if later is None else later),
-        break_long_words=False,
-        break_on_hyphens=False,
-    )
+    return [f"{Settings.model_config.get('env_prefix', '')}{option.name.upper()}"]

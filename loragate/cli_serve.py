@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperCommand
 
 from loragate.cli_errors import FAILURE, USAGE, fail, fail_each, warn
-from loragate.cli_options import format_help, given_values, serve_parameters
+from loragate.cli_help import PlainCommand
+from loragate.cli_options import PANELS, given_values, serve_parameters, setting_envvars
 
 NO_MODEL = "no model: pass --model DIR|ORG/NAME|FILE.gguf, or run `gateway demo` for the demo"
 # What `gateway demo` leaves out of serve's parameters: what chooses the model, and its keys.
@@ -23,13 +23,20 @@ DEMO_LEAVES_OUT = (
 )  # fmt: skip
 
 
-class ServeCommand(TyperCommand):
+class ServeCommand(PlainCommand):
     """``gateway serve``: its own options before ``--``, the engine's after it.
 
     An unknown option or a stray argument before ``--`` is an error (a typo such as
     ``--max-lora 4`` would otherwise reach vLLM silently); everything after ``--`` becomes the
-    engine's arguments (``ctx.args``), checked by the settings for loragate-owned flags.
+    engine's arguments (``ctx.args``), checked by the settings for loragate-owned flags. Its
+    help groups the options in ``PANELS`` and names each setting's variable.
     """
+
+    usage_tail = " [-- ENGINE_ARGS...]"
+    panels = PANELS
+
+    def more_envvars(self, option: Any) -> list[str]:
+        return setting_envvars(option)
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # a click Context
         if "--" in args:
@@ -40,11 +47,6 @@ class ServeCommand(TyperCommand):
         super().parse_args(ctx, before)
         ctx.args = after
         return after
-
-    def format_help(self, ctx: Any, formatter: Any) -> None:  # a click Context, HelpFormatter
-        """Plain help, one option per entry, so that no option name is ever cut (rich's
-        table cut them at 80 columns); see ``cli_options.format_help``."""
-        formatter.write(format_help(self, ctx, usage_tail=" [-- ENGINE_ARGS...]"))
 
 
 def serve(

@@ -80,7 +80,7 @@ def test_adapters_add_of_a_bad_source_fails_with_the_reason(
 
 
 def test_status_shows_engine_and_adapters(gateway: GatewayProcess) -> None:
-    status = json.loads(admin_cli(gateway, "status").stdout)
+    status = json.loads(admin_cli(gateway, "status", "--json").stdout)
     assert status["engine"]["state"] == "ready" and status["engine"]["pid"]
     assert {"pong", "fox", "owl"} <= {row["name"] for row in status["adapters"]}
 

@@ -85,7 +85,7 @@ def _status(process: GatewayProcess) -> dict[str, object]:
     from tools.harness import GATEWAY
 
     done = subprocess.run(
-        [str(GATEWAY), "status", "--url", process.url, "--admin-key", ADMIN_KEY],
+        [str(GATEWAY), "status", "--json", "--url", process.url, "--admin-key", ADMIN_KEY],
         capture_output=True,
         text=True,
         timeout=60,

@@ -95,7 +95,7 @@ def test_a_single_model_scrape_has_no_catalog_series_and_one_unlabelled_engine(
 
 
 def gateway_status(url: str) -> dict[str, object]:
-    command = [sys.executable, "-m", "loragate.cli", "status", "--url", url]
+    command = [sys.executable, "-m", "loragate.cli", "status", "--json", "--url", url]
     done = subprocess.run(
         [*command, "--admin-key", ADMIN["Authorization"].removeprefix("Bearer ")],
         capture_output=True,

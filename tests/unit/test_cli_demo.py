@@ -181,7 +181,15 @@ def test_demo_help_lists_serves_options_but_those_that_choose_the_model() -> Non
     assert left_out <= _option_names(serve)
     assert not [p for p in demo.params if p.name in DEMO_LEAVES_OUT]
     help_text = runner.invoke(app, ["demo", "--help"], env={"COLUMNS": "80"}).output
-    listed = {line.split()[0].rstrip(",") for line in help_text.splitlines() if line.strip()}
+    # Options are the lines that start with one ("  --port PORT", "  -h, --help"); help text
+    # wrapped beneath them may start with an option's name too, and is not a listing.
+    listed = {
+        name.rstrip(",")
+        for line in help_text.splitlines()
+        if line.startswith("  -")
+        for name in line.split()[:2]
+        if name.startswith("-")
+    }
     assert {"--config", "--port", "--host", "--admin-key", "--lora", "--max-loras"} <= listed
     assert not listed & left_out
     listing = runner.invoke(app, ["--help"]).output

@@ -346,7 +346,9 @@ def test_the_cli_reads_the_admin_token_of_a_gateway_on_this_machine(
 ) -> None:
     runner = CliRunner()
     with serving(keyless_app(tmp_path, backend)) as url:
-        status = runner.invoke(cli_app, ["status", "--url", url, "--cache-dir", str(tmp_path)])
+        status = runner.invoke(
+            cli_app, ["status", "--json", "--url", url, "--cache-dir", str(tmp_path)]
+        )
         assert status.exit_code == 0, status.output
         assert '"state": "ready"' in status.output
         listed = runner.invoke(
