@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from tools.bench import load
 from tools.bench.load import Target, Workload
 from tools.bench.stats import (
@@ -50,6 +48,7 @@ from tools.bench.stats import (
 from tools.bench.targets import (
     Nginx,
     Process,
+    ProcessTree,
     UpstreamGateway,
     free_port,
     pinned,
@@ -156,8 +155,9 @@ def serve(front: str) -> None:
         raise SystemExit(f"unknown front {front!r}")
 
 
-class Front(Process):
-    """The gateway under one front (``loragate`` is ``gateway serve`` itself)."""
+class Front(ProcessTree):
+    """The gateway under one front (``loragate`` is ``gateway serve`` itself); Granian's
+    serves from a worker process, measured with it."""
 
     def __init__(
         self, front: str, workdir: Path, upstream: str, api_key: str, cpus: set[int] | None
@@ -173,23 +173,6 @@ class Front(Process):
             "LORAGATE_CACHE_DIR": str(workdir / "cache"),
         }
         super().__init__(front, argv, workdir / f"{front}.log", env=env, cpus=cpus)
-
-    def _tree(self) -> list[psutil.Process]:
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(self.pid)
-            return [root, *root.children(recursive=True)]
-        return []
-
-    def rss(self) -> int:  # Granian serves from a worker process: count the tree
-        return sum(int(p.memory_info().rss) for p in self._tree())
-
-    def cpu_seconds(self) -> float:
-        total = 0.0
-        for p in self._tree():
-            with contextlib.suppress(psutil.Error):
-                times = p.cpu_times()
-                total += times.user + times.system
-        return total
 
     def wait_ready(self, timeout: float = 60) -> None:
         wait_listening(self, self.port, timeout)

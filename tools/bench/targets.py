@@ -257,7 +257,28 @@ class UpstreamGateway(Process):
         wait_http(self.url + "/health", self, timeout)
 
 
-class Nginx(Process):
+class ProcessTree(Process):
+    """A process whose children serve too (nginx's workers, Granian's): measured together."""
+
+    def workers(self) -> list[psutil.Process]:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self.pid)
+            return [root, *root.children(recursive=True)]
+        return []
+
+    def rss(self) -> int:
+        return sum(int(p.memory_info().rss) for p in self.workers())
+
+    def cpu_seconds(self) -> float:
+        total = 0.0
+        for p in self.workers():
+            with contextlib.suppress(psutil.Error):
+                times = p.cpu_times()
+                total += times.user + times.system
+        return total
+
+
+class Nginx(ProcessTree):
     """nginx as a reverse proxy with a keep-alive upstream: the floor a proxy can reach."""
 
     def __init__(self, workdir: Path, upstream: str, cpus: set[int] | None = None) -> None:
@@ -310,22 +331,6 @@ http {{
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def workers(self) -> list[psutil.Process]:
-        with contextlib.suppress(psutil.Error):
-            return [psutil.Process(self.pid), *psutil.Process(self.pid).children()]
-        return []
-
-    def rss(self) -> int:
-        return sum(int(p.memory_info().rss) for p in self.workers())
-
-    def cpu_seconds(self) -> float:
-        total = 0.0
-        for p in self.workers():
-            with contextlib.suppress(psutil.Error):
-                times = p.cpu_times()
-                total += times.user + times.system
-        return total
 
     def wait_ready(self, timeout: float = 10) -> None:
         wait_listening(self, self.port, timeout)
