@@ -168,12 +168,18 @@ def test_a_stalled_body_is_closed_and_a_slow_but_moving_one_is_served(
     assert len(backend.forwarded) == 1
 
 
+@pytest.mark.parametrize(
+    "body_timeout", [2.0, 30.0], ids=["silence limit first", "deadline first (the default 30 s)"]
+)
 def test_bodies_trickled_to_hold_every_slot_are_cut_by_the_body_deadline(
-    tmp_path: Path, cors: dict[str, Any]
+    tmp_path: Path, cors: dict[str, Any], body_timeout: float
 ) -> None:
     """Four clients send a byte every 0.3 s: never silent, so only the whole-body deadline
-    frees the four slots of ``--limit-concurrency 4`` (#33.3)."""
-    app = gateway(tmp_path, limit_concurrency=4, body_timeout=2.0, body_deadline=3.0, **cors)
+    frees the four slots of ``--limit-concurrency 4`` (#33.3), however it compares with the
+    silence limit."""
+    app = gateway(
+        tmp_path, limit_concurrency=4, body_timeout=body_timeout, body_deadline=3.0, **cors
+    )
     stop = threading.Event()
     with serving(app, as_served=True) as url:
         tricklers = [socket.create_connection(address(url)) for _ in range(4)]

@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# "soak" is no host the gateway serves: the requests that must reach its checks name the
+# gateway's own address instead (``Attackers._here``); a slow header never gets that far.
 SLOW_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\n"
 TRICKLE_LENGTH = 4096
 TRICKLE_HEAD = SLOW_HEAD + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
@@ -141,6 +143,11 @@ class Attackers:
     def now(self) -> float:
         return time.monotonic() - self.began
 
+    def _here(self, head: bytes) -> bytes:
+        """``head`` naming the gateway's address as its Host, so its checks run, not a 403."""
+        host = f"Host: {self.plan.host}:{self.plan.port}".encode()
+        return head.replace(b"Host: soak", host, 1)
+
     async def run(self, stop: asyncio.Event) -> AttackResult:
         plan = self.plan
         errors_before = await self._server_errors()
@@ -193,7 +200,7 @@ class Attackers:
         if kind == "slow_header":
             writer.write(SLOW_HEAD)
         elif kind == "trickle_body":
-            writer.write(TRICKLE_HEAD)
+            writer.write(self._here(TRICKLE_HEAD))
         sent = 0
         tick = 0.5 if kind == "trickle_body" else 1.0
         while not stop.is_set():
@@ -219,6 +226,7 @@ class Attackers:
             b"POST /tokenize HTTP/1.1\r\nHost: soak\r\nConnection: close\r\n"
             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
         ) + body
+        request = self._here(request)
         while not await _wait(stop, 2.0):
             started = time.monotonic()
             try:
@@ -229,7 +237,9 @@ class Attackers:
             self.result.wide.append((time.monotonic() - started, status))
 
     async def _departing(self, stop: asyncio.Event) -> None:
-        head = SLOW_HEAD + b"Content-Type: application/json\r\nContent-Length: 2000\r\n\r\n"
+        head = self._here(
+            SLOW_HEAD + b"Content-Type: application/json\r\nContent-Length: 2000\r\n\r\n"
+        )
         while not await _wait(stop, 0.2):
             try:
                 _, writer = await asyncio.open_connection(self.plan.host, self.plan.port)

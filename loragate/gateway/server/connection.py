@@ -349,7 +349,8 @@ class Connection(asyncio.Protocol):
         now = self.loop.time()
         self._body_at = self._body_checked = now
         self._body_due = now + limits.body_deadline
-        self._body_timer = self.loop.call_later(limits.body_timeout, self._body_deadline)
+        first_look = min(limits.body_timeout, limits.body_deadline)  # whichever comes first
+        self._body_timer = self.loop.call_later(first_look, self._body_deadline)
         if self.answering is None:
             self._start(exchange)
         else:  # pipelined: it waits, and nothing more is read, until the one before is answered
