@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,18 @@ if CHECKOUT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     )
 
 PHRASES = {adapter.name: adapter.phrase.strip() for adapter in DEMO_ADAPTERS}
+
+
+@pytest.fixture(autouse=True)
+def logging_as_it_was() -> Iterator[None]:
+    """The root logger's handlers and level put back after each test: a command run in
+    process (typer's CliRunner) configures logging onto the stderr the runner lends it and
+    closes after, and every later record would be a "Logging error" traceback on stderr."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
