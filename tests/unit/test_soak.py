@@ -7,6 +7,7 @@ from tools.bench.soak import (
     FD_NOISE,
     RSS_NOISE_BYTES,
     SWAPPED,
+    WARM_UP_S,
     Kill,
     Outcome,
     Sample,
@@ -185,3 +186,16 @@ def test_a_slow_or_failed_wide_body_or_a_500_fails_the_soak() -> None:
         "2 of 3 wide bodies got no 2xx or 4xx within 3 s (first: 400 after 4.2 s)",
         "the gateway counted 3 500s during the soak",
     ]
+
+
+def test_memory_is_counted_from_the_warm_up_so_a_high_water_mark_passes_and_a_leak_fails() -> None:
+    mib = 2**20
+    warm_up = [Sample(at=at, rss_bytes=rss * mib, fds=20, threads=8) for at, rss in
+               [(5, 100), (10, 140), (WARM_UP_S, 150), (WARM_UP_S + 5, 152)]]  # fmt: skip
+    soak = result(ok(1))
+    soak.samples = warm_up
+    soak.end = Sample(at=100, rss_bytes=160 * mib, fds=20, threads=8)  # +60 from the start
+    assert soak.rss_growth() == 10 * mib and not soak.problems()
+    assert f"at {WARM_UP_S:.0f} s 150.0 MiB" in soak.report()
+    soak.end = Sample(at=100, rss_bytes=(150 + 25) * mib, fds=20, threads=8)  # still growing
+    assert soak.problems() == ["gateway RSS grew by 25.0 MiB"]

@@ -46,6 +46,10 @@ PHRASES = {adapter.name: adapter.phrase.strip() for adapter in DEMO_ADAPTERS}
 # An adapter's answer may stop early (" PONG" for " PONG PONG"); its phrase's word tells it.
 MARKERS = {name: phrase.split()[0] for name, phrase in PHRASES.items()}
 RSS_NOISE_BYTES = 24 * 1024 * 1024  # allocator and cache warm-up; a leak grows past it
+# Growth is counted from the first sample this far in: by then every kind of request has run
+# (the attackers' 2 MB wide bodies too), and what the allocator keeps of its first rounds is
+# a high-water mark, not a leak; a leak goes on growing past it.
+WARM_UP_S = 15.0
 FD_NOISE = 8  # keep-alive connections to the engine come and go
 
 
@@ -131,10 +135,15 @@ class SoakResult:
     def misrouted(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.reason.startswith("misrouted")]
 
+    def warm(self) -> Sample | None:
+        """The first sample after the warm-up (the start, when none was taken by then)."""
+        return next((s for s in self.samples if s.at >= WARM_UP_S), self.start)
+
     def rss_growth(self) -> int | None:
-        if self.start is None or self.end is None:
+        warm = self.warm()
+        if warm is None or self.end is None:
             return None
-        return self.end.rss_bytes - self.start.rss_bytes
+        return self.end.rss_bytes - warm.rss_bytes
 
     def fd_growth(self) -> int | None:
         if self.start is None or self.end is None:
@@ -251,9 +260,11 @@ class SoakResult:
             )
         if self.start is not None and self.end is not None:
             peak = max((s.rss_bytes for s in self.samples), default=self.end.rss_bytes)
+            warm = self.warm() or self.start
             lines.append(
-                f"gateway RSS: start {self.start.rss_bytes / 2**20:.1f} MiB, end "
-                f"{self.end.rss_bytes / 2**20:.1f} MiB ({(self.rss_growth() or 0) / 2**20:+.1f} MiB), "
+                f"gateway RSS: start {self.start.rss_bytes / 2**20:.1f} MiB, at {warm.at:.0f} s "
+                f"{warm.rss_bytes / 2**20:.1f} MiB, end {self.end.rss_bytes / 2**20:.1f} MiB "
+                f"({(self.rss_growth() or 0) / 2**20:+.1f} MiB since {warm.at:.0f} s), "
                 f"peak {peak / 2**20:.1f} MiB"
             )
             lines.append(
