@@ -1,4 +1,8 @@
-"""``scripts/soak.py``: start a gateway on the tiny demo (or take ``--url``) and soak it."""
+"""``scripts/soak.py``: start a gateway on the tiny demo (or take ``--url``) and soak it.
+
+A ``--url`` gateway with an admin key must read the demo's adapter directories, which the
+swaps send as local sources: start it with ``--adapter-source-root`` naming the demo's
+directory (``gateway serve --help``), as the gateway started here is."""
 
 from __future__ import annotations
 
