@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import sys
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -28,6 +27,7 @@ from loragate.cli_admin import (
     unreachable,
 )
 from loragate.cli_errors import FAILURE, USAGE, fail, show_error
+from loragate.http.sse import sse_data, sse_lines
 
 if TYPE_CHECKING:
     import httpx
@@ -37,7 +37,6 @@ BYE = "/bye"
 # An answer may take as long as the model generates: only connecting is bounded here (the
 # gateway's --upstream-timeout bounds an engine that goes quiet).
 CONNECT_SECONDS = 10.0
-_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 class ChatError(Exception):
@@ -127,40 +126,6 @@ def _text_of(payload: Any, part: str) -> str:
     except (KeyError, IndexError, TypeError, AttributeError):
         return ""
     return content if isinstance(content, str) else ""
-
-
-def sse_lines(chunks: Iterable[bytes]) -> Iterator[str]:
-    """The lines of an event stream's bytes, ended by ``\\n``, ``\\r\\n`` or ``\\r`` and by
-    nothing else: a U+2028 or U+0085 in an event's JSON is text (``str.splitlines``, and
-    httpx's ``iter_lines``, would cut the event there)."""
-    pending = b""
-    for chunk in chunks:
-        pending += chunk
-        # A \r at the end may be the first half of a \r\n: it waits for the next chunk.
-        cut = len(pending) - 1 if pending.endswith(b"\r") else len(pending)
-        *lines, rest = _LINE_END.split(pending[:cut])
-        pending = rest + pending[cut:]
-        for line in lines:
-            yield line.decode("utf-8", "replace")
-    for line in _LINE_END.split(pending) if pending else []:
-        yield line.decode("utf-8", "replace")
-
-
-def sse_data(lines: Iterable[str]) -> Iterator[str]:
-    """The ``data`` of each server-sent event in ``lines`` (an event's data lines joined by
-    newlines; an event ends at an empty line)."""
-    data: list[str] = []
-    for line in lines:
-        if not line:
-            if data:
-                yield "\n".join(data)
-            data = []
-            continue
-        name, _, value = line.partition(":")
-        if name == "data":
-            data.append(value[1:] if value.startswith(" ") else value)
-    if data:
-        yield "\n".join(data)
 
 
 def converse(

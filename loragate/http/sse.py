@@ -3,17 +3,20 @@
 The SSE spec ends a line with CRLF, LF or CR, and an event with a blank line. vLLM writes LF,
 sse-starlette CRLF, and a read may end anywhere, between a line end's CR and its LF too.
 ``EventSplitter`` cuts a stream into runs of whole events, for a relay that rewrites events
-(which must never see half of one), and holds the start of an unfinished event, up to a cap.
+(which must never see half of one), and holds the start of an unfinished event, up to a cap;
+``sse_lines`` and ``sse_data`` read a stream's events as a client does (``gateway chat``).
 Each byte is searched once: a new read, with the last three bytes before it.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 
 from loragate.http.connection import UpstreamTooLarge
 
 _LINE_END = rb"(?:\r\n|\r(?!\n)|\n)"
+LINE_END = re.compile(_LINE_END)
 EVENT_END = re.compile(_LINE_END * 2)  # a line's end, then an empty line's
 
 
@@ -94,3 +97,40 @@ class EventSplitter:
         self._held.clear()
         self._held_size = 0
         self._held_tail = b""
+
+
+# ----- read as a client -----------------------------------------------------------------------
+
+
+def sse_lines(chunks: Iterable[bytes]) -> Iterator[str]:
+    """The lines of an event stream's bytes, ended by ``\\n``, ``\\r\\n`` or ``\\r`` and by
+    nothing else: a U+2028 or U+0085 in an event's JSON is text (``str.splitlines``, and
+    httpx's ``iter_lines``, would cut the event there)."""
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        # A \r at the end may be the first half of a \r\n: it waits for the next chunk.
+        cut = len(pending) - 1 if pending.endswith(b"\r") else len(pending)
+        *lines, rest = LINE_END.split(pending[:cut])
+        pending = rest + pending[cut:]
+        for line in lines:
+            yield line.decode("utf-8", "replace")
+    for line in LINE_END.split(pending) if pending else []:
+        yield line.decode("utf-8", "replace")
+
+
+def sse_data(lines: Iterable[str]) -> Iterator[str]:
+    """The ``data`` of each server-sent event in ``lines`` (an event's data lines joined by
+    newlines; an event ends at an empty line)."""
+    data: list[str] = []
+    for line in lines:
+        if not line:
+            if data:
+                yield "\n".join(data)
+            data = []
+            continue
+        name, _, value = line.partition(":")
+        if name == "data":
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data:
+        yield "\n".join(data)

@@ -22,8 +22,9 @@ from starlette.responses import Response, StreamingResponse
 from typer.testing import CliRunner
 
 from loragate.cli import app
-from loragate.cli_chat import Conversation, converse, sse_data, sse_lines
+from loragate.cli_chat import Conversation, converse
 from loragate.cli_status import StatusAnswers, status_table
+from loragate.http.sse import sse_data, sse_lines
 from tests.backend_double import ManagedBackendDouble, app_with, serving, settings_for
 
 runner = CliRunner()
