@@ -1,9 +1,10 @@
 """``gateway adapters ...``: add, list, remove and roll back a running gateway's adapters
-through its admin API, and convert an adapter offline; ``gateway models ...``: a catalog's
-base models, listed, loaded and unloaded."""
+through its admin API, and convert an adapter offline; ``gateway models ...``: a gateway's
+base models (a catalog's, or the one it serves), listed, loaded and unloaded."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -197,7 +198,7 @@ def adapters_convert(
 
 
 models_app = plain_typer(
-    help="List, load and unload the base models of a running gateway's catalog (admin API).",
+    help="List, load and unload a running gateway's base models (admin API).",
     no_args_is_help=True,
 )
 
@@ -207,9 +208,17 @@ def models_list(
     url: UrlOption = DEFAULT_URL,
     admin_key: AdminKeyOption = None,
     cache_dir: CacheDirOption = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the admin API's report as JSON, for scripts.")
+    ] = False,
 ) -> None:
-    """Every base model with its residency, engine state, memory, idle time and adapters."""
+    """Every base model with its residency, engine state, memory, idle time and adapters.
+
+    A gateway serving one base model lists that one (a catalog of one)."""
     result = admin_request(url, admin_key, "GET", "/admin/models", cache_dir=cache_dir)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
     typer.echo(f"{'MODEL':<20} {'RESIDENCY':<10} {'STATE':<11} {'MEMORY':>9} {'IDLE':>8} ADAPTERS")
     for row in result.get("models", []):
         memory = row.get("memory_bytes")

@@ -43,8 +43,7 @@ from loragate.gateway.backends.base import (
     engine_metrics_of,
     engine_snapshot_of,
 )
-from loragate.gateway.backends.catalog import ASLEEP, COLD, FAILED, LOADING, RESIDENT
-from loragate.supervisor.states import EngineSnapshot, EngineState
+from loragate.supervisor.states import RESIDENCIES, EngineSnapshot, EngineState
 
 if TYPE_CHECKING:
     from loragate.gateway.metrics import GatewayMetrics
@@ -224,7 +223,6 @@ def _engine_families(
     return [state, restarts, queued]
 
 
-RESIDENCIES = (RESIDENT, LOADING, ASLEEP, COLD, FAILED)
 
 
 def catalog_families(report: dict[str, Any]) -> list[Metric]:

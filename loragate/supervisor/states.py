@@ -87,3 +87,21 @@ class EngineSnapshot:
         data["state"] = str(self.state)
         data["log_file"] = str(self.log_file)
         return data
+
+
+# A base model's residency, as a catalog and ``gateway models list`` report it: whether its
+# engine holds memory and takes requests, derived from the engine's state.
+RESIDENT, LOADING, ASLEEP, COLD, FAILED = "resident", "loading", "asleep", "cold", "failed"
+RESIDENCIES = (RESIDENT, LOADING, ASLEEP, COLD, FAILED)
+
+
+def residency(state: EngineState, *, prepared: bool, failed: bool, asleep: bool) -> str:
+    """``failed``: the model could not be prepared; ``prepared``: its model and adapters are
+    set up (a stopped engine is then cold: the next request boots it)."""
+    if failed or state == EngineState.FAILED:
+        return FAILED
+    if state in SERVING:
+        return ASLEEP if asleep else RESIDENT
+    if state == EngineState.STOPPED and prepared:
+        return COLD
+    return LOADING

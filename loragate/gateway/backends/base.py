@@ -154,8 +154,9 @@ class AdminBackend(Protocol):
 
 
 @runtime_checkable
-class CatalogAdmin(Protocol):
-    """What ``/admin/models`` asks of a backend serving a catalog of base models."""
+class ModelsAdmin(Protocol):
+    """What ``/admin/models`` (``gateway models list|load|unload``) asks of a backend that
+    runs base models: a catalog, or one model (a catalog of one)."""
 
     def catalog_report(self) -> dict[str, Any]:
         """Every model with its residency, state, memory, last use and adapters; the swaps."""
@@ -165,18 +166,24 @@ class CatalogAdmin(Protocol):
 
     async def unload_by_hand(self, model_id: str) -> dict[str, Any]: ...
 
+
+@runtime_checkable
+class CatalogAdmin(ModelsAdmin, Protocol):
+    """A backend serving several base models, each its own engine."""
+
     def engine_snapshots(self) -> dict[str, EngineSnapshot]:
         """Every model's engine, by model id."""
         ...
 
 
-def catalog_of(backend: GatewayBackend) -> CatalogAdmin:
-    """``backend``'s catalog, or the 404 a gateway serving one base model answers."""
-    if not isinstance(backend, CatalogAdmin):
+def catalog_of(backend: GatewayBackend) -> ModelsAdmin:
+    """``backend``'s base models, or the 404 a gateway without an engine of its own (an
+    upstream URL, a custom backend) answers."""
+    if not isinstance(backend, ModelsAdmin):
         raise OpenAIError(
             404,
-            "This gateway serves one base model: models load and unload only in a catalog "
-            "(the config file's models:).",
+            "This gateway runs no base model of its own (an upstream URL or a custom "
+            "backend): nothing loads or unloads here.",
             code="not_supported",
         )
     return backend

@@ -48,7 +48,7 @@ from loragate.supervisor.command import EngineSpec
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 from loragate.supervisor.process import GatewayLock, tree_rss_bytes
 from loragate.supervisor.spare import SpareEngines, spare_engines
-from loragate.supervisor.states import EngineSnapshot, EngineState
+from loragate.supervisor.states import EngineSnapshot, EngineState, residency
 from loragate.supervisor.systemd import SystemdNotifier, extend_start_while, watchdog_loop
 
 log = logging.getLogger("loragate.gateway")
@@ -101,6 +101,10 @@ class SupervisedEngineBackend:
         # catalog reads to unload only an idle engine, the least recently used first.
         self.in_flight = 0
         self.last_used = time.monotonic()
+        # Stopped by ``gateway models unload``: cold until loaded by hand or by a request.
+        self.unloaded_by_hand = False
+        self.loads_by_hand = 0
+        self._cold_load: asyncio.Future[None] | None = None
         # What the plan says the running engine holds, for a catalog's memory budget.
         self.memory_bytes: int | None = None
         # A catalog model unloaded by vLLM's sleep mode: the engine runs with it enabled.
@@ -333,6 +337,10 @@ class SupervisedEngineBackend:
         state = self.supervisor.state
         if self._prepare_error is not None:
             return False, {"status": "failed", "reason": self._prepare_error}
+        if self.unloaded_by_hand and state == EngineState.STOPPED:
+            # Ready: the next request boots it (a load balancer must keep sending them).
+            reason = "unloaded by an admin (gateway models unload): the next request boots it"
+            return True, {"status": "healthy", "reason": reason, "models": self.model_ids()}
         if self.manager is None or (state == EngineState.STOPPED and not self._prepared.is_set()):
             return False, {"status": "starting", "reason": "preparing the model and adapters"}
         fleet: dict[str, Any] = (
@@ -401,6 +409,9 @@ class SupervisedEngineBackend:
         resends = ResendBudget(deadline)
         while True:
             if not (self.supervisor.serving and self._prepared.is_set()):
+                if self.unloaded_by_hand or self._cold_load is not None:
+                    # Cold: a request boots it, as in a catalog.
+                    await self.load_by_hand(self.base_name, "loaded on demand")
                 await self._wait_for_engine(deadline)
             manager, endpoint = self.manager, self.supervisor.endpoint
             assert manager is not None and endpoint is not None
@@ -504,6 +515,70 @@ class SupervisedEngineBackend:
     async def restart_engine(self) -> EngineSnapshot:
         await self.supervisor.restart()
         return self.supervisor.snapshot()
+
+    # ----- one model as a catalog of one (``ModelsAdmin``) ---------------------------------
+
+    def residency(self, asleep: bool = False) -> str:
+        return residency(
+            self.supervisor.state,
+            prepared=self.prepared,
+            failed=self._prepare_error is not None,
+            asleep=asleep,
+        )
+
+    def catalog_report(self) -> dict[str, Any]:
+        """``gateway models list`` of a gateway serving one base model: that model, kept."""
+        _, health = self.health()
+        model = {
+            "id": self.base_name,
+            "model": self.settings.model,
+            "residency": self.residency(),
+            "state": str(self.supervisor.state),
+            "reason": health.get("reason") or self.supervisor.reason,
+            "adapters": [name for name in self.servable_models() if name != self.base_name],
+            "memory_bytes": self.memory_bytes,
+            "in_flight": self.in_flight,
+            "idle_seconds": round(time.monotonic() - self.last_used, 1),
+            "loads": self.loads_by_hand,
+            "wakes": 0,
+            "unloads": int(self.unloaded_by_hand),
+            "sleep_mode": False,
+            "last_unload_reason": "unloaded by an admin" if self.unloaded_by_hand else None,
+            "keep": True,
+            "ttl": None,
+        }
+        return {"models": [model], "max_loaded_models": 1, "memory_budget": None, "swaps": 0}
+
+    async def load_by_hand(
+        self, model_id: str, reason: str = "loaded by an admin"
+    ) -> dict[str, Any]:
+        """Boot a cold engine; callers at once share one boot."""
+        self._only_model(model_id)
+        if self._cold_load is None and (
+            self.unloaded_by_hand or self.supervisor.state == EngineState.STOPPED
+        ):
+            self.unloaded_by_hand = False
+            self.loads_by_hand += 1
+            self._cold_load = asyncio.ensure_future(self.load(reason))
+            self._cold_load.add_done_callback(self._cold_load_done)
+        if self._cold_load is not None:
+            await asyncio.shield(self._cold_load)
+        return self.catalog_report()["models"][0]
+
+    def _cold_load_done(self, task: asyncio.Future[None]) -> None:
+        self._cold_load = None
+
+    async def unload_by_hand(self, model_id: str) -> dict[str, Any]:
+        """Stop the engine, keeping the model and adapters: the next request boots it."""
+        self._only_model(model_id)
+        if self.supervisor.state not in (EngineState.STOPPED, EngineState.FAILED):
+            self.unloaded_by_hand = True
+            await self.unload("unloaded by an admin")
+        return self.catalog_report()["models"][0]
+
+    def _only_model(self, model_id: str) -> None:
+        if model_id != self.base_name:
+            raise model_not_found(model_id, [self.base_name])
 
     def require_manager(self) -> AdapterManager:
         if self.manager is None:
