@@ -1,5 +1,6 @@
 """Every `gateway` command a user types, through the real console script, against the shared
-real engine: adapters add/list/rollback/remove, status, systemd-unit and convert."""
+real engine: adapters add/list/rollback/remove, status (table and JSON), models list and load,
+chat, systemd-unit and convert."""
 
 from __future__ import annotations
 
@@ -83,6 +84,45 @@ def test_status_shows_engine_and_adapters(gateway: GatewayProcess) -> None:
     status = json.loads(admin_cli(gateway, "status", "--json").stdout)
     assert status["engine"]["state"] == "ready" and status["engine"]["pid"]
     assert {"pong", "fox", "owl"} <= {row["name"] for row in status["adapters"]}
+
+
+def test_status_table_names_the_real_engine_its_model_and_adapters(
+    gateway: GatewayProcess,
+) -> None:
+    table = admin_cli(gateway, "status").stdout
+    engine_pid = httpx.get(
+        f"{gateway.url}/admin/engine", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    ).json()["pid"]
+    engine_row = next(line for line in table.splitlines() if f" {engine_pid} " in line)
+    assert " ready " in engine_row
+    adapter_rows = {line.split("@")[0] for line in table.splitlines() if " ready " in line}
+    assert {"pong", "fox", "owl"} <= adapter_rows, table
+
+
+def test_models_list_of_the_one_model_gateway_is_its_resident_base(
+    gateway: GatewayProcess,
+) -> None:
+    """One model is a catalog of one: its base, resident, with its adapters."""
+    listed = admin_cli(gateway, "models", "list").stdout.splitlines()
+    assert listed[0].split()[:3] == ["MODEL", "RESIDENCY", "STATE"] and listed[-1] == "swaps: 0"
+    (row,) = listed[1:-1]
+    assert row.split()[1:3] == ["resident", "ready"] and "pong" in row
+    report = json.loads(admin_cli(gateway, "models", "list", "--json").stdout)
+    (model,) = report["models"]
+    assert model["residency"] == "resident" and model["keep"] is True
+    assert {"pong", "fox", "owl"} <= set(model["adapters"])
+    loaded = admin_cli(gateway, "models", "load", model["id"]).stdout  # resident: nothing boots
+    assert loaded.strip() == f"{model['id']}: resident (ready)"
+
+
+def test_chat_piped_answers_from_the_adapter_named(gateway: GatewayProcess) -> None:
+    done = subprocess.run(
+        [str(GATEWAY), "chat", "fox", "--url", gateway.url, "--admin-key", ADMIN_KEY,
+         "--max-tokens", "16"],
+        input="Hello\n", capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert phrase_of(done.stdout) == "fox", done.stdout
 
 
 def test_systemd_unit_prints_a_notify_unit_for_this_install() -> None:
