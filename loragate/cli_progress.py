@@ -1,7 +1,7 @@
 """Progress of a long call, shown while it runs: ``gateway adapters add``, ``gateway pull``.
 
 The gateway keeps one record per adapter add (stage, bytes, percent: see
-``loragate.adapters.progress``) and serves it at ``GET /admin/adapters/{name}``; the status
+``loragate.fetching.progress``) and serves it at ``GET /admin/adapters/{name}``; the status
 page shows the same record. While the ``PUT`` runs in a thread, this polls that record and
 prints each change on stderr: one line per stage, and the download's percent on one
 rewritten line when stderr is a terminal.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from loragate.adapters.intake.source_networks import allow_source_networks, allowed_source_networks
+from loragate.fetching.source_networks import allow_source_networks, allowed_source_networks
 from loragate.http.addresses import AllowedNetworks
 
 

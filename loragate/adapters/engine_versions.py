@@ -17,9 +17,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from loragate.adapters.errors import AdapterError
-from loragate.adapters.progress import report_stage
 from loragate.adapters.routing import RoutingTable
 from loragate.adapters.store import AdapterStore, StoredAdapter, TamperedAdapterError
+from loragate.fetching.progress import report_stage
 from loragate.supervisor.client import EngineClient, EngineRefused
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 

@@ -197,7 +197,7 @@ def _fetch_url(url: str, timeout: float) -> bytes:
     ``allowed_source_networks`` (loopback, private, link-local) is refused, every hop."""
     import httpx
 
-    from loragate.adapters.intake.source_networks import SourceAddressRefused, source_client
+    from loragate.fetching.source_networks import SourceAddressRefused, source_client
     from loragate.logs import redact
 
     try:
@@ -226,7 +226,7 @@ def _fetch_hf(source: str) -> bytes:
         )
     from huggingface_hub import hf_hub_download
 
-    from loragate.adapters.intake.sources.hub import hf_token
+    from loragate.fetching.hub import hf_token
 
     try:
         path = hf_hub_download(

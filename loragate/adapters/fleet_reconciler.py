@@ -37,8 +37,9 @@ from loragate.adapters.fleet_manifest import (
     parse_fleet_manifest,
 )
 from loragate.adapters.manifest import ManifestEntry
-from loragate.adapters.watch import PeriodicTask, ServedAdapters
+from loragate.adapters.watch import ServedAdapters
 from loragate.logs import redact, redact_urls
+from loragate.periodic import PeriodicTask
 
 log = logging.getLogger("loragate.adapters")
 
@@ -82,7 +83,9 @@ class FleetReconciler:
         self.serving_revision: str | None = None
         self.passes = 0
         self.checked_at: float | None = None
-        self._loop = PeriodicTask("adapters-manifest", self.reconcile, interval, first_at_once=True)
+        self._loop = PeriodicTask(
+            "adapters-manifest", self.reconcile, interval, first_at_once=True, log=log
+        )
 
     # ----- life cycle -----------------------------------------------------------------------
 

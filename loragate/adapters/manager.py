@@ -38,13 +38,13 @@ from loragate.adapters.intake.pipeline import PreparedVersion
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
 from loragate.adapters.preset import ParameterRules, Preset, PresetError
-from loragate.adapters.progress import ProgressBoard
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.routing import RoutingTable
 from loragate.adapters.stats import AdapterStats
 from loragate.adapters.store import AdapterStore, TamperedAdapterError
 from loragate.adapters.watch import AdapterFollower, StoreWatch
 from loragate.adapters.zero_adapter import write_zero_adapter
+from loragate.fetching.progress import ProgressBoard
 from loragate.logs import redact_urls
 from loragate.supervisor.client import EngineClient, EngineRefused
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable

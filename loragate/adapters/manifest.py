@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import math
@@ -116,6 +117,12 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "extra": (lambda v: isinstance(v, dict), "an object"),
     "preset": (lambda v: v is None or isinstance(v, dict), "an object or null"),
 }
+
+
+def manifest_key(model_dir: Path) -> str:
+    """The name (without ``.json``) of the manifest of the base model in ``model_dir``: a hash
+    of the directory's path, so two models on one cache dir keep their adapters apart."""
+    return hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]
 
 
 class Manifest:

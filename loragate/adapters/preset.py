@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from loragate.adapters.json_file import is_finite_number
+from loragate.fetching.json_file import is_finite_number
 
 # Checks one generation parameter's value (a default or a clamp): raises ``ValueError`` saying
 # what is wrong, or ``KeyError`` for a name that is no generation parameter.

@@ -3,7 +3,7 @@
 Two watchers, one idea: an adapter's served version is re-fetched through the manager's own
 path (``put``: fetch, convert, validate, store, versioned swap) whenever something outside the
 gateway moves it: its **source** (follow mode, ``AdapterFollower``) or its **files** in the
-store (``StoreWatch``). They share the periodic loop (``PeriodicTask``, also the fleet
+store (``StoreWatch``). They share the periodic loop (``loragate.periodic``, also the fleet
 reconciler's) and the narrow protocol through which they reach the manager: they read the
 manifest's entries and call the manager's methods, never write its attributes, and never
 import it (``wiring`` hands the manager to them). They live in one module because each is a
@@ -31,82 +31,19 @@ per file; files are hashed only after a change of size, mtime or inode.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from loragate.adapters.errors import AdapterError
 from loragate.adapters.manifest import ManifestEntry
 from loragate.adapters.store import ADAPTER_FILES, AdapterStore, StoredAdapter, TamperedAdapterError
 from loragate.logs import redact_urls
+from loragate.periodic import PeriodicTask
 
 log = logging.getLogger("loragate.adapters")
-
-
-class PeriodicTask:
-    """``step`` run every ``interval`` seconds in one named asyncio task, until stopped.
-
-    A pass that raises is logged with its traceback and the next pass runs on time: a watcher
-    that ended at its first surprise (a full disk, a bug in one entry) would stop watching with
-    nobody told. ``first_at_once``: the first pass runs at ``start`` rather than an interval
-    later (the fleet converges at once; what was just loaded needs no check yet).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        step: Callable[[], Awaitable[object]],
-        interval: float,
-        *,
-        first_at_once: bool = False,
-    ) -> None:
-        self.name = name
-        self.interval = interval
-        self._step = step
-        self._first_at_once = first_at_once
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
-    def start(self) -> None:
-        """Start the loop (on the running event loop); a second call changes nothing."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name=self.name)
-
-    def stop(self) -> None:
-        """Cancel the loop now, without waiting for it to end (from synchronous code)."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-
-    async def aclose(self) -> None:
-        """Cancel the loop and wait until it has ended (a pass in flight is cancelled too)."""
-        task = self._task
-        self.stop()
-        if task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-
-    async def run_once(self) -> None:
-        """One pass, as the loop runs it: whatever it raises is logged, not raised."""
-        try:
-            await self._step()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("%s: a pass failed (the next one runs in %gs)", self.name, self.interval)
-
-    async def _loop(self) -> None:
-        if not self._first_at_once:
-            await asyncio.sleep(self.interval)
-        while True:
-            await self.run_once()
-            await asyncio.sleep(self.interval)
 
 
 # ----- what the watchers ask of the manager (AdapterManager implements it) -------------------
@@ -176,7 +113,7 @@ class AdapterFollower:
                 self._polls.pop(name).stop()
         for name in wanted - set(self._polls):
             poll = PeriodicTask(
-                f"follow-{name}", functools.partial(self.check, name), self.interval
+                f"follow-{name}", functools.partial(self.check, name), self.interval, log=log
             )
             self._polls[name] = poll
             poll.start()
@@ -235,7 +172,7 @@ class StoreWatch:
         self._store = store
         self._good: dict[str, Stamp] = {}  # digest -> file stamps when last verified good
         self._hopeless: dict[str, Stamp | None] = {}  # digest -> stamps when a restore failed
-        self._loop = PeriodicTask("store-watch", self.check, interval)
+        self._loop = PeriodicTask("store-watch", self.check, interval, log=log)
 
     def start(self) -> None:
         self._loop.start()

@@ -9,19 +9,18 @@ models on one cache dir keep their adapters apart.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 from typing import Any
 
 from loragate.adapters.fleet_reconciler import FleetReconciler
 from loragate.adapters.intake.pipeline import AdapterPipeline, sidecar_preset
-from loragate.adapters.intake.source_networks import allow_source_networks
 from loragate.adapters.manager import AdapterManager
-from loragate.adapters.manifest import Manifest
+from loragate.adapters.manifest import Manifest, manifest_key
 from loragate.adapters.preset import ParameterRules
 from loragate.adapters.store import AdapterStore, write_atomic
 from loragate.adapters.watch import AdapterFollower, StoreWatch
+from loragate.fetching.source_networks import allow_source_networks
 from loragate.settings import Settings
 from loragate.supervisor.client import EngineClient
 from loragate.supervisor.engine import EngineSupervisor
@@ -34,8 +33,7 @@ def manifest_path_for(state_dir: Path | None, cache_dir: Path, model_dir: Path) 
     none is set). A manifest that only the cache dir holds, as every loragate before the state
     dir kept it, is moved over first, so a unit that gains a ``StateDirectory=`` keeps its
     adapters."""
-    model_key = hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]
-    relative = Path("adapters") / "manifests" / f"{model_key}.json"
+    relative = Path("adapters") / "manifests" / f"{manifest_key(model_dir)}.json"
     path = (state_dir or cache_dir).expanduser().absolute() / relative
     old = cache_dir.expanduser().absolute() / relative
     if old != path and old.is_file() and not path.exists():

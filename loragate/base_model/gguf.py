@@ -40,21 +40,21 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from loragate.adapters.intake.sources.fetched import SourceError
-from loragate.adapters.intake.sources.hub import hf_token, parse_hf_source
-from loragate.adapters.progress import (
-    WaitProgress,
-    current_progress,
-    hub_progress_class,
-    report_stage,
-    report_steps,
-)
 from loragate.base_model.hub_cache import (
     MODELS_DIRNAME,
     BaseModelError,
     hub_cache_dir,
     hub_cache_holding,
     offline,
+)
+from loragate.fetching import SourceError
+from loragate.fetching.hub import hf_token, parse_hf_source
+from loragate.fetching.progress import (
+    WaitProgress,
+    current_progress,
+    hub_progress_class,
+    report_stage,
+    report_steps,
 )
 from loragate.model_names import gguf_served_name as gguf_served_name
 from loragate.model_names import is_gguf_source as is_gguf_source

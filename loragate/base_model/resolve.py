@@ -6,9 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from loragate.adapters.intake.sources.hub import check_hub_endpoint, hf_token
-from loragate.adapters.json_file import read_json_object
-from loragate.adapters.progress import hub_progress_class, report_stage
 from loragate.base_model.hub_cache import (
     MODELS_DIRNAME,
     BaseModelError,
@@ -16,6 +13,9 @@ from loragate.base_model.hub_cache import (
     hub_cache_holding,
     offline,
 )
+from loragate.fetching.hub import check_hub_endpoint, hf_token
+from loragate.fetching.json_file import read_json_object
+from loragate.fetching.progress import hub_progress_class, report_stage
 
 # Never fetched for a base model, as vLLM's own downloader (LoadConfig.ignore_patterns):
 # Meta's original checkpoint, a second copy of the weights for another runtime.

@@ -21,8 +21,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from loragate.adapters.json_file import read_json_object
 from loragate.base_model.vi_tasks import VI_TASKS
+from loragate.fetching.json_file import read_json_object
 
 VI_FULL_DIRNAME = "model_full"
 VI_ADAPTER_DIRNAME = "model_adapter"

@@ -25,23 +25,20 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loragate.gateway import spans
 from loragate.gateway.engine_allow_list import engine_route
+from loragate.gateway.generation_routes import HOT_PATHS
 from loragate.gateway.traffic import RecentTraffic
 from loragate.logs import loggable
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("loragate.gateway")
 access_log = logging.getLogger("loragate.access")
 
-INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 UNKNOWN_MODEL = "unknown"  # a label value for requests rejected before their model was checked
 
 LATENCY_BUCKETS = (
@@ -71,7 +68,7 @@ TOKEN_RATE_SECONDS = 10  # the status page's tokens/s: completion tokens over th
 def observed_route(path: str) -> str | None:
     """The route label an inference or engine pass-through request is recorded under (the
     allow-list's template for paths with an id); None for the routes not recorded."""
-    if path in INFERENCE_PATHS:
+    if path in HOT_PATHS:  # the gateway's own generation routes
         return path
     route = engine_route(path)
     return route.path if route is not None else None
@@ -147,7 +144,7 @@ def ask_for_usage(path: str, payload: dict[str, Any]) -> None:
     Continuous usage stats stay off unless the client asked for both: they would put usage
     in every chunk. Only for requests the proxy relays (it is the one that drops the chunk)."""
     observation = current_observation.get()
-    if observation is None or path not in INFERENCE_PATHS or payload.get("stream") is not True:
+    if observation is None or path not in HOT_PATHS or payload.get("stream") is not True:
         return
     options = payload.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is True:

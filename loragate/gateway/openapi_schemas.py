@@ -22,6 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
+from loragate.gateway.generation_routes import GENERATION_ROUTES, Route
 from loragate.gateway.requests.chat import ROLES
 from loragate.gateway.requests.parameters import Schema, parameter_schemas, parameters_of
 from loragate.gateway.requests.vi import HF_TO_OPENAI
@@ -218,6 +219,14 @@ def _errors(*codes: int) -> dict[str, Any]:
     }
 
 
+# The generation routes the gateway answers itself (raw-body routes, which FastAPI does not
+# describe): each one's summary, request body and operation id.
+_OPERATIONS: dict[Route, tuple[str, str, str]] = {
+    "chat": ("Chat completion (OpenAI or Vi format)", "ChatCompletionRequest", "chat_completions"),
+    "completions": ("Legacy text completion", "CompletionRequest", "completions"),
+}
+
+
 def _inference_operation(summary: str, request: str, operation_id: str) -> dict[str, Any]:
     return {
         "summary": summary,
@@ -264,18 +273,9 @@ def install_openapi(app: FastAPI, *, docs_page: bool = True) -> None:
                 title=app.title, version=app.version, routes=app.routes, description=app.description
             )
             paths = schema.setdefault("paths", {})
-            paths["/v1/chat/completions"] = {
-                "post": _inference_operation(
-                    "Chat completion (OpenAI or Vi format)",
-                    "ChatCompletionRequest",
-                    "chat_completions",
-                )
-            }
-            paths["/v1/completions"] = {
-                "post": _inference_operation(
-                    "Legacy text completion", "CompletionRequest", "completions"
-                )
-            }
+            for route in GENERATION_ROUTES:
+                if route.hot and route.kind is not None:
+                    paths[route.path] = {"post": _inference_operation(*_OPERATIONS[route.kind])}
             components = schema.setdefault("components", {})
             components.setdefault("schemas", {}).update(COMPONENTS)
             components["securitySchemes"] = {

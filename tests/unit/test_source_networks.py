@@ -22,8 +22,8 @@ from loragate.adapters.errors import AdapterError
 from loragate.adapters.fleet_manifest import FleetManifestError, fetch_fleet_manifest
 from loragate.adapters.intake.pipeline import AdapterPipeline
 from loragate.adapters.intake.sources import SourceError, fetch_source, source_fingerprint
-from loragate.adapters.intake.sources.hub import check_hub_endpoint
 from loragate.adapters.store import AdapterStore
+from loragate.fetching.hub import check_hub_endpoint
 from loragate.http.addresses import AllowedNetworks
 from loragate.settings import Settings
 from tests.source_networks import sources_may_reach

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 import loragate.gateway as gateway_package
-from loragate.adapters.progress import report_bytes, report_stage
+from loragate.fetching.progress import report_bytes, report_stage
 from loragate.gateway.app import create_app
 from loragate.gateway.routes.ui import page_files
 from tests.backend_double import ManagedBackendDouble, settings_for

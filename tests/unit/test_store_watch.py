@@ -1,5 +1,5 @@
 """The watchers of ``adapters.watch``: the store watch (a live version modified on disk is
-stored again from its source), the follower, and the periodic loop both run on."""
+stored again from its source), and the follower. The loop both run on: test_periodic.py."""
 
 from __future__ import annotations
 
@@ -11,13 +11,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from loragate.adapters.manager import AdapterError
 from loragate.adapters.manifest import Manifest, ManifestEntry
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore
-from loragate.adapters.watch import AdapterFollower, PeriodicTask, StoreWatch
+from loragate.adapters.watch import AdapterFollower, StoreWatch
 
 
 class FakeManager:
@@ -179,54 +177,6 @@ async def test_a_damaged_version_whose_source_is_unchanged_is_repaired(tmp_path:
     assert manager.manifest.entries["fox"].active == served
     assert manager.describe("fox")["state"] == "ready" and manager.failures == {}
     await manager.aclose()
-
-
-# ----- the periodic loop every watcher runs on ----------------------------------------------
-
-
-async def test_the_loop_survives_a_pass_that_raises_and_stops_promptly(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    passes: list[int] = []
-    third = asyncio.Event()
-
-    async def step() -> None:
-        passes.append(len(passes))
-        if len(passes) == 1:
-            raise OSError(28, "No space left on device")
-        if len(passes) == 3:
-            third.set()
-
-    loop = PeriodicTask("test-watch", step, interval=0.01)
-    loop.start()
-    await asyncio.wait_for(third.wait(), 5)  # the passes after the one that raised still ran
-    assert loop.running
-    assert "test-watch: a pass failed" in caplog.text and "No space left" in caplog.text
-    await asyncio.wait_for(loop.aclose(), 1)
-    assert not loop.running
-    ran = len(passes)
-    await asyncio.sleep(0.05)
-    assert len(passes) == ran  # nothing runs after aclose
-
-
-async def test_the_loop_stops_promptly_mid_pass_and_mid_wait() -> None:
-    entered = asyncio.Event()
-
-    async def endless() -> None:
-        entered.set()
-        await asyncio.Event().wait()
-
-    busy = PeriodicTask("busy", endless, interval=3600, first_at_once=True)
-    busy.start()
-    await asyncio.wait_for(entered.wait(), 5)
-    await asyncio.wait_for(busy.aclose(), 1)  # the pass in flight is cancelled
-
-    idle = PeriodicTask("idle", endless, interval=3600)  # waits an interval before its first pass
-    idle.start()
-    await asyncio.sleep(0.01)
-    assert idle.running
-    await asyncio.wait_for(idle.aclose(), 1)
-    assert not idle.running
 
 
 # ----- follow mode: a moved source goes through ``put``; a refused version is skipped once -----

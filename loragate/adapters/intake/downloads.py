@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from loragate.adapters.intake.source_networks import source_client
-from loragate.adapters.progress import report_bytes
+from loragate.fetching.progress import report_bytes
+from loragate.fetching.source_networks import source_client
 from loragate.logs import redact
 
 DEFAULT_TIMEOUT = 30.0  # seconds for one read (and to connect)

@@ -25,7 +25,6 @@ from typing import Any
 
 from loragate.adapters.errors import AdapterError, disk_error
 from loragate.adapters.preset import ParameterRules, Preset, PresetError
-from loragate.adapters.progress import report_stage
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore, StoredAdapter, StoreError, tree_digest
 from loragate.base_model.vi_runs import (
@@ -37,6 +36,7 @@ from loragate.base_model.vi_runs import (
     vi_run_layout,
     vi_run_preset,
 )
+from loragate.fetching.progress import report_stage
 from loragate.logs import redact_urls
 
 log = logging.getLogger("loragate.adapters")

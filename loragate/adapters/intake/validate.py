@@ -24,7 +24,7 @@ from loragate.adapters.intake.peft_layout import (
     parse_lora_key,
 )
 from loragate.adapters.intake.safetensors_header import SafetensorsError, read_safetensors_header
-from loragate.adapters.json_file import is_finite_number, read_json_object
+from loragate.fetching.json_file import is_finite_number, read_json_object
 
 # vLLM's --max-lora-rank accepts only these values.
 VALID_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

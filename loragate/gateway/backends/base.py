@@ -201,8 +201,7 @@ def admin_of(backend: GatewayBackend) -> AdminBackend:
 
 def engine_snapshot_of(backend: GatewayBackend) -> EngineSnapshot | None:
     """The engine's snapshot when ``backend`` runs one (None for upstream and custom ones)."""
-    snapshot = getattr(backend, "engine_snapshot", None)
-    return snapshot() if callable(snapshot) else None
+    return backend.engine_snapshot() if isinstance(backend, RunsEngine) else None
 
 
 async def adapter_stats_of(backend: GatewayBackend) -> AdapterStats | None:
@@ -213,3 +212,69 @@ async def adapter_stats_of(backend: GatewayBackend) -> AdapterStats | None:
 async def engine_metrics_of(backend: GatewayBackend) -> bytes | None:
     engine_metrics = getattr(backend, "engine_metrics", None)
     return await engine_metrics() if callable(engine_metrics) else None
+
+
+# ----- what some backends also do: one method each, asked with isinstance -------------------
+# The routes call nothing a backend may lack without asking one of these first (no getattr or
+# hasattr on a backend: tests/unit/test_import_graph.py reads the routes for it).
+
+
+@runtime_checkable
+class RunsEngine(Protocol):
+    """A backend that runs an engine of its own (the supervised one, a catalog)."""
+
+    def engine_snapshot(self) -> EngineSnapshot: ...
+
+
+@runtime_checkable
+class ReportsStart(Protocol):
+    """A backend that prepares what it serves as it starts (downloads the base model,
+    dequantizes a GGUF, boots the engine), with a progress record while it does."""
+
+    def start_report(self) -> dict[str, Any] | None:
+        """Stage, bytes, percent, rate and description; None when nothing is under way."""
+        ...
+
+
+@runtime_checkable
+class ListsModels(Protocol):
+    """A backend that makes its own ``/v1/models`` entries (a catalog: each adapter's parent,
+    each base's residency; a Vi backend)."""
+
+    def model_entries(self) -> list[dict[str, Any]]:
+        """One entry per public model, each with its ``id`` and ``parent`` (None: a base)."""
+        ...
+
+
+@runtime_checkable
+class ResolvesModels(Protocol):
+    """A backend that can serve a model it has not registered yet, found in a place the
+    operator configured (a catalog model's ``adapter_dir``)."""
+
+    def resolves(self, name: str) -> bool: ...
+
+
+@runtime_checkable
+class KnowsContextLength(Protocol):
+    """A backend that knows its engine's ``max_model_len`` (clients size their context by it)."""
+
+    def max_model_len(self) -> int | None:
+        """None until the engine has said."""
+        ...
+
+
+@runtime_checkable
+class ServesPresets(Protocol):
+    """A backend whose adapter versions carry presets (``adapters.preset``)."""
+
+    def model_preset(self, name: str) -> dict[str, Any] | None:
+        """The preset of the version serving ``name`` now; None when it has none."""
+        ...
+
+
+@runtime_checkable
+class RelaysEngineCalls(Protocol):
+    """A backend that sends the engine's other allow-listed routes (``EngineCall``: GETs,
+    uploads) besides ``forward``'s JSON POSTs."""
+
+    async def relay(self, call: EngineCall) -> Response: ...

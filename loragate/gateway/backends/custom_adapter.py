@@ -31,6 +31,7 @@ from loragate.gateway.backends.custom_parameters import (
     vi_response_model,
 )
 from loragate.gateway.errors import OpenAIError
+from loragate.gateway.generation_routes import CHAT
 from loragate.gateway.requests.chat import ChatRequest
 from loragate.gateway.requests.parameters import MAX_N
 from loragate.gateway.requests.vi import ViRequest
@@ -170,7 +171,7 @@ class InferenceBackendAdapter:
     async def forward(
         self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
     ) -> Response:
-        if path != "/v1/chat/completions":
+        if path != CHAT.path:
             raise OpenAIError(
                 404,
                 f"This gateway's backend serves /v1/chat/completions only, not {path}.",

@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from loragate.gateway.errors import OpenAIError
+from loragate.gateway.generation_routes import BY_KIND, Route
 
-Route = Literal["chat", "completions"]
-ROUTES: tuple[Route, ...] = ("chat", "completions")
+ROUTES: tuple[Route, ...] = tuple(BY_KIND)  # the generation routes the gateway checks itself
 Schema = dict[str, Any]
 
 MAX_N = 128  # choices per request; the same bound custom backends get

@@ -19,7 +19,8 @@ import orjson
 
 from loragate.adapters.preset import Preset, thawed
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.requests.parameters import PARAMETERS, Route, parameters_of
+from loragate.gateway.generation_routes import Route, kind_of
+from loragate.gateway.requests.parameters import PARAMETERS, ROUTES, parameters_of
 
 if TYPE_CHECKING:
     from loragate.gateway.backends.base import EngineCall
@@ -31,7 +32,7 @@ for _row in PARAMETERS:
     if _row.name not in _NOT_PRESET:
         _KINDS.setdefault(_row.name, []).append(_row.kind)
 _TAKES: dict[Route, frozenset[str]] = {
-    route: frozenset(p.name for p in parameters_of(route)) for route in ("chat", "completions")
+    route: frozenset(p.name for p in parameters_of(route)) for route in ROUTES
 }
 _TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 # A request that asks for structured output its own way keeps it (no default format added).
@@ -66,22 +67,13 @@ def parameter_rules(name: str, value: Any) -> None:
     raise ValueError(problems[0])
 
 
-def route_of(path: str) -> Route | None:
-    """The generation route ``path`` is (None: a preset does not apply to it)."""
-    if path.startswith("/v1/chat/completions"):
-        return "chat"
-    if path.startswith("/v1/completions"):
-        return "completions"
-    return None
-
-
 def shaped_body(
     preset: Preset | None, call: EngineCall, engine_id: str | None, release: Callable[[], None]
 ) -> bytes:
     """The bytes to send for ``call``, which leased ``engine_id``: a generation request
     shaped by the version's ``preset``; else the call's own body. A request the preset
     refuses (a clamp) gives its lease back (``release``) before the 400 is raised."""
-    route = route_of(call.path)
+    route = kind_of(call.path)  # None: a preset does not apply to it
     if preset is None or call.payload is None or route is None:
         return call.body(engine_id)
     try:

@@ -16,7 +16,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from loragate.gateway.backends.base import engine_snapshot_of
+from loragate.gateway.backends.base import ReportsStart, engine_snapshot_of
 from loragate.gateway.runtime import Gateway
 from loragate.logs import loggable_in
 
@@ -56,8 +56,8 @@ def _start_progress(gateway: Gateway) -> dict[str, Any] | None:
     """The start's progress record (stage, bytes, percent, rate, description) while the
     gateway downloads its base model, dequantizes a GGUF or boots the engine; only a
     backend that starts its own engine has one."""
-    report = getattr(gateway.backend, "start_report", None)
-    return report() if callable(report) else None
+    backend = gateway.backend
+    return backend.start_report() if isinstance(backend, ReportsStart) else None
 
 
 @router.get("/health/live")

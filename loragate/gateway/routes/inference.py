@@ -23,7 +23,9 @@ from starlette.types import Receive
 
 from loragate.gateway import spans
 from loragate.gateway.auth import HasHeaders
+from loragate.gateway.backends.base import KnowsContextLength, ListsModels, ResolvesModels
 from loragate.gateway.errors import OpenAIError, client_closed, model_not_found
+from loragate.gateway.generation_routes import CHAT, COMPLETIONS, GENERATION_ROUTES, Route
 from loragate.gateway.metrics import current_observation
 from loragate.gateway.requests.body import read_json_object
 from loragate.gateway.runtime import Gateway
@@ -87,19 +89,20 @@ def target_model(gateway: Gateway, payload: dict[str, Any]) -> str:
 def _resolvable(gateway: Gateway, model: str) -> bool:
     """Whether the backend can find an unregistered ``model`` in a place the operator
     configured (a catalog model's ``adapter_dir``)."""
-    resolves = getattr(gateway.backend, "resolves", None)
-    return bool(resolves(model)) if callable(resolves) else False
+    backend = gateway.backend
+    return isinstance(backend, ResolvesModels) and bool(backend.resolves(model))
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     gateway: Gateway = request.app.state.gateway
     _check_source(gateway, request)
-    catalog = getattr(gateway.backend, "model_entries", None)
-    if callable(catalog):  # several bases: each adapter's parent, each base's residency
-        data = [{**model_entry(gateway, e["id"], [e["parent"] or e["id"]]), **e} for e in catalog()]
+    backend = gateway.backend
+    if isinstance(backend, ListsModels):  # several bases: each adapter's parent, each residency
+        entries = backend.model_entries()
+        data = [{**model_entry(gateway, e["id"], [e["parent"] or e["id"]]), **e} for e in entries]
     else:
-        ids = gateway.backend.model_ids()
+        ids = backend.model_ids()
         data = [model_entry(gateway, model, ids) for model in ids]
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
@@ -115,8 +118,8 @@ def model_entry(gateway: Gateway, model: str, ids: list[str]) -> dict[str, Any]:
         "owned_by": "loragate",
         "parent": None if model == ids[0] else ids[0],
     }
-    known = getattr(gateway.backend, "max_model_len", None)
-    max_model_len = known() if callable(known) else None
+    backend = gateway.backend
+    max_model_len = backend.max_model_len() if isinstance(backend, KnowsContextLength) else None
     if max_model_len is not None:
         entry["max_model_len"] = max_model_len
     return entry
@@ -125,13 +128,13 @@ def model_entry(gateway: Gateway, model: str, ids: list[str]) -> dict[str, Any]:
 async def chat_completions(gateway: Gateway, request_id: str, payload: dict[str, Any]) -> Response:
     with spans.step(spans.CHECK):
         payload = await gateway.chat_request(payload)
-    return await _forward(gateway, "/v1/chat/completions", payload, request_id)
+    return await _forward(gateway, CHAT.path, payload, request_id)
 
 
 async def completions(gateway: Gateway, request_id: str, payload: dict[str, Any]) -> Response:
     with spans.step(spans.CHECK):
         gateway.check_generation_limits(payload)
-    return await _forward(gateway, "/v1/completions", payload, request_id)
+    return await _forward(gateway, COMPLETIONS.path, payload, request_id)
 
 
 async def _forward(
@@ -174,11 +177,14 @@ def _explain_pooling_engine(response: Response, path: str) -> Response:
 
 Endpoint = Callable[[Gateway, str, dict[str, Any]], Awaitable[Response]]
 
-# The hot routes (POST only): through the router on any ASGI server, and without ASGI at all
-# by ``server.hot_routes`` under ``gateway serve``.
+_ENDPOINTS: dict[Route, Endpoint] = {"chat": chat_completions, "completions": completions}
+# The hot routes (POST only), each generation route the gateway answers itself
+# (``generation_routes``): through the router on any ASGI server, and without ASGI at all by
+# ``server.hot_routes`` under ``gateway serve``.
 HOT_ROUTES: dict[str, Endpoint] = {
-    "/v1/chat/completions": chat_completions,
-    "/v1/completions": completions,
+    route.path: _ENDPOINTS[route.kind]
+    for route in GENERATION_ROUTES
+    if route.hot and route.kind is not None
 }
 
 

@@ -27,7 +27,7 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
-from loragate.gateway.backends.base import EngineCall
+from loragate.gateway.backends.base import EngineCall, RelaysEngineCalls, ServesPresets
 from loragate.gateway.engine_allow_list import ENGINE_ROUTES, EngineRoute
 from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.metrics import current_observation
@@ -98,8 +98,9 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
     if model_id not in ids:
         raise model_not_found(model_id, ids)
     entry = model_entry(gateway, model_id, ids)
-    preset_of = getattr(gateway.backend, "model_preset", None)  # the serving version's preset
-    if callable(preset_of) and (preset := preset_of(model_id)) is not None:
+    backend = gateway.backend
+    preset = backend.model_preset(model_id) if isinstance(backend, ServesPresets) else None
+    if preset is not None:  # the serving version's
         entry["preset"] = preset
     return Response(orjson.dumps(entry), media_type="application/json")
 
@@ -244,9 +245,9 @@ def _observe(model: str | None, stream: bool) -> None:
         observation.stream = stream
 
 
-def _relaying(gateway: Gateway, route: EngineRoute) -> Any:
+def _relaying(gateway: Gateway, route: EngineRoute) -> RelaysEngineCalls:
     backend = gateway.backend
-    if not callable(getattr(backend, "relay", None)):
+    if not isinstance(backend, RelaysEngineCalls):
         raise OpenAIError(
             404,
             f"This gateway's backend does not serve {route.path}.",

@@ -15,8 +15,8 @@ from loragate.adapters.intake.convert.peft_bin import BIN_WEIGHTS
 from loragate.adapters.intake.convert.tinker import TINKER_MARKER, is_tinker_key
 from loragate.adapters.intake.peft_layout import CONFIG_FILENAME, WEIGHTS_FILENAME
 from loragate.adapters.intake.safetensors_header import SafetensorsError, read_safetensors_header
-from loragate.adapters.json_file import read_json_object
 from loragate.base_model.vi_runs import is_vi_run
+from loragate.fetching.json_file import read_json_object
 
 FORMATS = ("peft", "peft-bin", "tinker", "mlx", "vi-run")
 

@@ -33,8 +33,7 @@ from loragate.adapters.intake.archives import (
     UnsafeArchiveError,
 )
 from loragate.adapters.intake.downloads import DEFAULT_DEADLINE, DEFAULT_TIMEOUT, DownloadError
-from loragate.adapters.intake.source_networks import SourceAddressRefused
-from loragate.adapters.intake.sources.fetched import FetchedSource, FetchLimits, SourceError
+from loragate.adapters.intake.sources.fetched import FetchedSource, FetchLimits
 from loragate.adapters.intake.sources.hub import fetch_hf, hf_fingerprint
 from loragate.adapters.intake.sources.local import (
     SourceNotAllowed,
@@ -45,6 +44,8 @@ from loragate.adapters.intake.sources.local import (
 )
 from loragate.adapters.intake.sources.tinker import fetch_tinker, tinker_fingerprint
 from loragate.adapters.intake.sources.url import fetch_url, url_fingerprint
+from loragate.fetching import SourceError
+from loragate.fetching.source_networks import SourceAddressRefused
 
 __all__ = [
     "FetchedSource",

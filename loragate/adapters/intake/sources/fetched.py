@@ -1,5 +1,5 @@
-"""What every source scheme shares: the result of a fetch, its error, the limits a fetch
-runs under, and where in the fetched tree the adapter lies."""
+"""What every source scheme shares: the result of a fetch, the limits a fetch runs under, and
+where in the fetched tree the adapter lies (their error is ``loragate.fetching.SourceError``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,6 @@ from pathlib import Path
 
 from loragate.adapters.intake.downloads import DEFAULT_DEADLINE
 from loragate.adapters.provenance import Provenance
-
-
-class SourceError(ValueError):
-    """The source cannot be fetched; the message says why and what to do."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,6 @@
 """``hf://ORG/REPO[@REV][/SUBDIR]`` sources: a Hugging Face repo, pinned to the commit it
-resolved to; its change marker is that commit. The hub helpers (token, endpoint check) are
-shared with base-model and GGUF downloads; their bytes feed the current progress record
-(``loragate.adapters.progress.hub_progress_class``)."""
+resolved to; its change marker is that commit. The hub helpers (addresses, token, endpoint
+check) are ``loragate.fetching.hub``'s, shared with base-model and GGUF downloads."""
 
 from __future__ import annotations
 
@@ -12,42 +11,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from loragate.adapters.intake.sources.fetched import FetchedSource, SourceError, adapter_root
-from loragate.adapters.progress import hub_progress_class
+from loragate.adapters.intake.sources.fetched import FetchedSource, adapter_root
 from loragate.adapters.provenance import Provenance
+from loragate.fetching import SourceError
+from loragate.fetching.hub import check_hub_endpoint, hf_token, parse_hf_source
+from loragate.fetching.progress import hub_progress_class
 
-_HF = re.compile(r"^hf://(?P<repo>[^/@\s]+/[^/@\s]+)(?:@(?P<rev>[^/\s]+))?(?:/(?P<sub>.+))?$")
 _SHA = re.compile(r"^[0-9a-f]{40}$")
-
-
-def parse_hf_source(source: str) -> tuple[str, str | None, str | None]:
-    """``(repo_id, revision, subdir)`` of ``hf://ORG/REPO[@REV][/SUBDIR]``."""
-    match = _HF.match(source)
-    if match is None:
-        raise SourceError(f"{source!r} is not of the form hf://ORG/REPO[@REVISION][/SUBDIR]")
-    sub = match["sub"].strip("/") if match["sub"] else None
-    if sub and ".." in Path(sub).parts:
-        raise SourceError(f"{source!r}: the subdirectory may not contain '..'")
-    return match["repo"], match["rev"], sub or None
-
-
-def hf_token() -> str | None:
-    """The Hugging Face token from ``HF_TOKEN``, or None to let huggingface_hub find one."""
-    return os.environ.get("HF_TOKEN") or None
-
-
-def check_hub_endpoint() -> None:
-    """Refuse an ``HF_ENDPOINT`` that is a loopback, private or link-local address not in
-    ``allowed_source_networks`` (huggingface_hub connects there on its own)."""
-    endpoint = os.environ.get("HF_ENDPOINT")
-    if not endpoint or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
-        return  # the default endpoint is the public hub; offline, nothing connects
-    from loragate.adapters.intake.source_networks import SourceAddressRefused, check_source_url
-
-    try:
-        check_source_url(endpoint)
-    except SourceAddressRefused as exc:
-        raise SourceError(f"HF_ENDPOINT: {exc}") from exc
 
 
 def fetch_hf(

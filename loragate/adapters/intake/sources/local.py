@@ -14,13 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loragate.adapters.intake.archives import archive_kind, extract_archive
-from loragate.adapters.intake.sources.fetched import (
-    FetchedSource,
-    FetchLimits,
-    SourceError,
-    adapter_root,
-)
+from loragate.adapters.intake.sources.fetched import FetchedSource, FetchLimits, adapter_root
 from loragate.adapters.provenance import Provenance
+from loragate.fetching import SourceError
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 

@@ -14,19 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from loragate.adapters.intake.downloads import download_file
-from loragate.adapters.intake.source_networks import (
+from loragate.adapters.intake.sources.fetched import FetchedSource, FetchLimits, adapter_root
+from loragate.adapters.intake.sources.url import fetch_archive_url
+from loragate.adapters.provenance import Provenance
+from loragate.fetching import SourceError
+from loragate.fetching.source_networks import (
     SourceAddressRefused,
     check_source_url,
     source_client,
 )
-from loragate.adapters.intake.sources.fetched import (
-    FetchedSource,
-    FetchLimits,
-    SourceError,
-    adapter_root,
-)
-from loragate.adapters.intake.sources.url import fetch_archive_url
-from loragate.adapters.provenance import Provenance
 
 log = logging.getLogger("loragate.adapters")
 
