@@ -18,8 +18,8 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.responses import Response
 
-from loragate.adapters.progress import ProgressBoard
 from loragate.adapters.stats import AdapterStats
+from loragate.fetching.progress import ProgressBoard
 from loragate.gateway.app import create_app
 from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
 from loragate.gateway.backends.supervised import SupervisedEngineBackend
@@ -144,6 +144,14 @@ class EngineSupervisorDouble:
         self.restart_requests = 0
         self.log_path = Path("/nonexistent/engine.log")
 
+    @property
+    def state(self) -> EngineState:
+        return self.snapshot().state
+
+    @property
+    def reason(self) -> str:
+        return self.snapshot().reason
+
     def snapshot(self) -> EngineSnapshot:
         return engine_snapshot(log_file=self.log_path)
 
@@ -154,18 +162,23 @@ class EngineSupervisorDouble:
         self.restart_requests += 1
 
 
+# A cache directory a double never writes: constructing a backend touches no file.
+_NOWHERE = Path("/nonexistent/loragate-backend-double")
+
+
 class ManagedBackendDouble(RecordingBackend, SupervisedEngineBackend):
     """A backend with the supervised engine's admin routes, answered by doubles: the admin
     API runs for real (keys, bodies, routes) and nothing is spawned, locked or written."""
 
-    def __init__(self) -> None:  # no SupervisedEngineBackend.__init__: it builds an engine
+    def __init__(self) -> None:
         RecordingBackend.__init__(self)
+        # Built as the gateway builds it (nothing is spawned, locked or written until start),
+        # then its engine and adapters swapped for doubles.
+        SupervisedEngineBackend.__init__(self, Settings(cache_dir=_NOWHERE))
         self.adapters = AdapterManagerDouble()
         self.supervisor = EngineSupervisorDouble()  # type: ignore[assignment]
-        self.manager = None  # /metrics reads it; the routes use require_manager()
-        self.memory_plan = None  # what /admin/engine reports beside the supervisor's info
-        self.cpu_lora_ops = False
-        self.zero_adapter = False
+        self.base_name = self.adapters.base_name
+        self._prepared.set()
         self.starts = 0
         self.stops = 0
 

@@ -33,12 +33,14 @@ from loragate.gateway.runtime import Gateway
 from loragate.gateway.security_headers import SecurityHeaders
 from loragate.gateway.spans import enable_spans
 from loragate.settings import Settings
+from loragate.supervisor.systemd import SystemdReporter
 
 log = logging.getLogger("loragate.gateway")
 
 
 class BackendLifecycle:
-    """Starts and stops the backend, and publishes the per-start admin token with it.
+    """Starts and stops the backend, publishes the per-start admin token with it, and tells
+    systemd how the process's life goes (``SystemdReporter``: for every kind of backend).
 
     The app's lifespan drives it. An app that gets no lifespan events (mounted in another app:
     Starlette's ``Mount`` passes none on; or served with lifespan off) starts its backend on
@@ -53,6 +55,7 @@ class BackendLifecycle:
         self.started = False
         self.stopped = False
         self._lock = asyncio.Lock()
+        self.systemd = SystemdReporter()
 
     async def start(self, *, on_request: bool = False) -> None:
         async with self._lock:
@@ -74,7 +77,13 @@ class BackendLifecycle:
                 log.info("inference routes need one of %d API keys", self.inference_keys)
             else:
                 log.info("inference routes are open: no --api-key or --api-key-file was given")
-            await gateway.backend.start()
+            self.systemd.starting(gateway.backend)
+            try:
+                await gateway.backend.start()
+            except BaseException:
+                await self.systemd.stop()
+                raise
+            self.systemd.started()
             if token is not None:
                 path = publish_admin_token(settings.cache_dir, token)
                 log.info("admin routes need the per-start token in %s (no --admin-key given)", path)
@@ -93,6 +102,7 @@ class BackendLifecycle:
             token = self.gateway.admin_token
             if token is not None:
                 withdraw_admin_token(self.gateway.settings.cache_dir, token)
+            await self.systemd.stop()
             await self.gateway.backend.stop()
 
 

@@ -223,8 +223,6 @@ def _engine_families(
     return [state, restarts, queued]
 
 
-
-
 def catalog_families(report: dict[str, Any]) -> list[Metric]:
     """A catalog's models by ``model_name`` (``CatalogAdmin.catalog_report``), and its swaps."""
     by_model = ["model_name"]

@@ -2,6 +2,10 @@
 (``READY=1``, ``STATUS=``, the watchdog), and the ``Type=notify`` unit ``gateway systemd-unit``
 writes for this install.
 
+systemd hears from the process, not from a backend: ``SystemdReporter`` is the gateway
+process's one voice (the app's lifespan drives it), whatever serves behind it; a backend whose
+start outlasts its ``start()`` says how it goes through ``ReportsStart``.
+
 ``KillMode=mixed`` sends SIGTERM to the gateway alone, which stops the engine tree itself
 (gracefully, in order); only what is left after ``TimeoutStopSec`` gets SIGKILL from systemd.
 """
@@ -9,13 +13,15 @@ writes for this install.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 # systemd's notify protocol (``sd_notify(3)``): one datagram of ``KEY=VALUE`` lines per message.
 #
@@ -166,6 +172,152 @@ async def extend_start_while(
             return
         notifier.notify(status=text[:200], extend_timeout_usec=int(extend_by * 1_000_000))
         await asyncio.sleep(every)
+
+
+class ServiceStart(Protocol):
+    """How a backend's start goes, as ``SystemdReporter`` tells systemd."""
+
+    async def until_serving(self) -> bool:
+        """Return once the start is over: True when the backend serves, False when it gave up
+        (it could not be prepared, or its engine failed)."""
+        ...
+
+    def describe_start(self) -> str | None:
+        """What the start waits on now, in one line (a download, an engine's boot); None when
+        there is nothing left to wait for."""
+        ...
+
+    def add_status_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener`` with one line on each change of state, from now on."""
+        ...
+
+
+@runtime_checkable
+class ReportsStart(Protocol):
+    """A backend whose start goes on after its ``start()`` returns: an engine prepares and
+    boots, a catalog's models are prepared and preloaded. One without it serves once started
+    (an upstream URL, a custom backend)."""
+
+    def service_start(self) -> ServiceStart: ...
+
+
+class AllStarts:
+    """Several models' starts as one (a catalog's). It serves once every model's start is over
+    and one of them serves (a cold model serves: the next request boots it), the tasks in
+    ``first`` (the preloads, which boot their engines) done before; each line names its
+    model."""
+
+    def __init__(
+        self, parts: Mapping[str, ServiceStart], first: Collection[asyncio.Future[Any]] = ()
+    ) -> None:
+        self.parts = parts
+        self.first = first  # may still change: a preload leaves its set when done
+        self._listeners: list[Callable[[str], None]] = []
+
+    async def until_serving(self) -> bool:
+        pending = list(self.first)
+        if pending:
+            await asyncio.wait(pending)  # not gather: a cancelled wait leaves the preloads be
+        names = list(self.parts)
+        results = await asyncio.gather(*(self.parts[name].until_serving() for name in names))
+        serving = [name for name, ok in zip(names, results, strict=True) if ok]
+        failed = [name for name, ok in zip(names, results, strict=True) if not ok]
+        line = "serving " + ", ".join(serving) if serving else "no model could start"
+        if failed:
+            line += "; failed: " + ", ".join(failed)
+        for listener in self._listeners:
+            listener(line)
+        return bool(serving)
+
+    def describe_start(self) -> str | None:
+        lines = []
+        for name, part in self.parts.items():
+            text = part.describe_start()
+            if text is not None:
+                lines.append(f"{name}: {text}")
+        if not lines and any(not task.done() for task in self.first):
+            return "loading the preloaded models"  # between a model's prepare and its boot
+        return "; ".join(lines) or None
+
+    def add_status_listener(self, listener: Callable[[str], None]) -> None:
+        self._listeners.append(listener)
+        for name, part in self.parts.items():
+            part.add_status_listener(functools.partial(_named_line, listener, name))
+
+
+def _named_line(listener: Callable[[str], None], name: str, line: str) -> None:
+    listener(f"{name}: {line}")
+
+
+class SystemdReporter:
+    """The gateway process's life as systemd hears it, whatever serves behind it.
+
+    ``READY=1`` once the backend serves: when its ``ServiceStart`` says so (one model: its
+    engine is ready; a catalog: every model prepared, its preloads booted), else as soon as
+    its ``start()`` returned (an upstream URL, a custom backend). Meanwhile ``STATUS=`` with
+    the start's progress and ``EXTEND_TIMEOUT_USEC=`` every ``EXTEND_EVERY_SECONDS``
+    (``extend_start_while``), and a ``STATUS=`` line on each change the backend reports.
+    ``WATCHDOG=1`` while the event loop answers; ``STOPPING=1`` when the stop begins.
+    Outside systemd (no ``NOTIFY_SOCKET``) it does nothing at all.
+    """
+
+    def __init__(self, notifier: SystemdNotifier | None = None) -> None:
+        self.notifier = SystemdNotifier() if notifier is None else notifier
+        self._start: ServiceStart | None = None
+        self._start_over = False  # served, or gave up: nothing more to extend
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def starting(self, backend: object) -> None:
+        """Before ``backend`` starts: its status lines and its start's progress, and the
+        watchdog."""
+        if not self.notifier.enabled:
+            return
+        self._start_over = False
+        if isinstance(backend, ReportsStart):
+            self._start = backend.service_start()
+            self._start.add_status_listener(self._status)
+            self._spawn(extend_start_while(self.notifier, self._describe_start), "start-notes")
+        if self.notifier.watchdog_interval is not None:
+            # The gateway's event loop answering is what systemd's watchdog checks.
+            self._spawn(watchdog_loop(self.notifier, lambda: True), "systemd-watchdog")
+
+    def started(self) -> None:
+        """The backend's ``start()`` returned: ``READY=1`` once it serves."""
+        if self.notifier.enabled:
+            self._spawn(self._ready_once_serving(), "systemd-ready")
+
+    async def stop(self) -> None:
+        """``STOPPING=1``, and no more progress, readiness or watchdog pings."""
+        self.notifier.stopping()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _status(self, line: str) -> None:
+        self.notifier.status(line[:200])
+
+    def _describe_start(self) -> str | None:
+        if self._start_over or self._start is None:
+            return None
+        return self._start.describe_start()
+
+    async def _ready_once_serving(self) -> None:
+        try:
+            serving = self._start is None or await self._start.until_serving()
+        except Exception:
+            logger.exception("waiting for the backend to serve, for systemd, failed")
+            serving = False
+        self._start_over = True
+        if serving:
+            self.notifier.ready()
+        else:
+            logger.warning("the backend's start gave up: systemd is not told READY=1")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 _SAFE_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./$-]+")

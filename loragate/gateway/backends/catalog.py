@@ -4,59 +4,52 @@ booted when a request first needs it, within ``max_loaded_models`` and ``memory_
 Every model of ``Settings.models`` is a ``SupervisedEngineBackend`` of its own (its cache and
 state under ``CACHE_DIR/models/ID``: store, manifest, engine socket and log), prepared at start
 (model resolved, adapters declared) and booted on demand, or at start with ``preload``. A
-request for a cold model makes room first: the least recently used resident engines that
-are idle are unloaded (never one with requests in flight or waiting: those drain first,
-within the queue deadline; never one marked ``keep``), then the model boots while its requests wait in
-its engine's queue as during a restart (bounded, with the queue deadline and ``Retry-After``).
-An engine idle for its ``ttl`` is unloaded. An adapter name no model has registered is looked
-for in the models' ``adapter_dir`` and, when one holds it, added to that model through the same
-pipeline and store as the admin API; nothing else is fetched.
+request for a cold model makes room first, as ``loragate.serving.eviction`` decides (the least
+recently used idle engines give way; never one with requests in flight or waiting: those drain
+first, within the queue deadline; never one marked ``keep``), then the model boots while its
+requests wait in its engine's queue as during a restart (bounded, with the queue deadline and
+``Retry-After``). An engine idle for its ``ttl`` is unloaded by a periodic pass that a failed
+unload does not end; stopping the catalog stops every engine, whatever failed before. An
+adapter name no model has registered is looked for where the operator said
+(``loragate.serving.adapter_search``) and added to the model that names the place.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from starlette.responses import Response
 
-from loragate.adapters.names import InvalidAdapterName, validate_adapter_name
 from loragate.gateway.backends.base import EngineCall
 from loragate.gateway.backends.engine_metrics import merge_catalog_metrics
 from loragate.gateway.backends.supervised import SupervisedEngineBackend
 from loragate.gateway.errors import OpenAIError, model_not_found
-from loragate.logs import redact_urls
+from loragate.periodic import PeriodicTask
+from loragate.serving.adapter_search import AdapterNotFound, AdapterSearch
+from loragate.serving.eviction import Occupant, past_ttl, room_for
 from loragate.settings import Settings
 from loragate.settings.catalog import CatalogModel
 from loragate.supervisor.command import engine_base_env
 from loragate.supervisor.spare import spare_engines
-from loragate.supervisor.states import EngineSnapshot, EngineState
+from loragate.supervisor.states import COLD, FAILED, LOADING, RESIDENT, EngineSnapshot, EngineState
+from loragate.supervisor.systemd import AllStarts
 
 log = logging.getLogger("loragate.gateway")
 
-RESIDENT, LOADING, ASLEEP, COLD, FAILED = "resident", "loading", "asleep", "cold", "failed"
 _TTL_CHECK_SECONDS = 5.0
-# How long a name no resolver had stays a plain 404, without asking the resolvers again.
-_MISSING_FOR_SECONDS = 60.0
+# How long stopping the catalog waits for its cancelled background tasks before stopping the
+# engines all the same.
+_BACKGROUND_GRACE_SECONDS = 5.0
 # States of an engine that is up or coming up: a request for it goes straight to it.
 _RUNNING = frozenset(
     {EngineState.STARTING, EngineState.RESTARTING, EngineState.READY, EngineState.UNHEALTHY}
 )
-
-
-def _is_adapter_name(name: str) -> bool:
-    try:
-        validate_adapter_name(name)
-    except InvalidAdapterName:
-        return False
-    return True
 
 
 def model_settings(settings: Settings, model_id: str, entry: CatalogModel) -> Settings:
@@ -110,31 +103,38 @@ class CatalogEntry:
 
     @property
     def residency(self) -> str:
-        if self.backend.prepare_error is not None or self.state == EngineState.FAILED:
-            return FAILED
-        if self.state in (EngineState.READY, EngineState.UNHEALTHY):
-            return ASLEEP if self.asleep else RESIDENT
-        if self.state == EngineState.STOPPED and self.backend.prepared:
-            return COLD
-        return LOADING
+        return self.backend.residency(asleep=self.asleep)
 
     @property
     def idle(self) -> bool:
         return self.wanted == 0 and self.backend.in_flight == 0
 
     @property
-    def holds_memory(self) -> bool:
-        """Whether its engine runs awake (or is about to): it counts against the budget."""
-        return self.state not in (EngineState.STOPPED, EngineState.FAILED) and not self.asleep
-
-    @property
     def takes_requests(self) -> bool:
         """Up or coming up, and awake: a request for it goes straight to its engine."""
         return self.state in _RUNNING and not self.asleep
 
+    def occupant(self) -> Occupant:
+        """This model as the room decision (``loragate.serving.eviction``) sees it."""
+        residency = self.residency
+        if residency == LOADING and self.state == EngineState.STOPPED:
+            residency = COLD  # still being prepared: no engine yet, it holds nothing
+        return Occupant(
+            self.id,
+            residency,
+            last_used=self.backend.last_used,
+            requests=self.wanted + self.backend.in_flight,
+            memory_bytes=self.backend.memory_bytes,
+            keep=self.spec.keep,
+            sleeps=self.backend.sleep_mode,
+            ttl=self.spec.ttl,
+        )
+
 
 class CatalogBackend:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(
+        self, settings: Settings, *, ttl_check_seconds: float = _TTL_CHECK_SECONDS
+    ) -> None:
         self.settings = settings
         # One spare engine for whichever model boots next (loragate.supervisor.spare).
         self.spares = spare_engines(settings, models=len(settings.models))
@@ -144,7 +144,6 @@ class CatalogBackend:
                 entry,
                 SupervisedEngineBackend(
                     model_settings(settings, model_id, entry),
-                    notify_systemd=False,
                     spares=self.spares,
                 ),
             )
@@ -156,9 +155,10 @@ class CatalogBackend:
         self.swaps = 0
         self.last_swap: dict[str, Any] | None = None
         self._room = asyncio.Lock()  # one residency change at a time
-        self._resolving: dict[str, asyncio.Task[CatalogEntry]] = {}
-        self._missing: dict[str, float] = {}  # name -> until when no resolver is asked for it
-        self._ttl_task: asyncio.Task[None] | None = None
+        self._search = AdapterSearch(
+            {model_id: entry.spec for model_id, entry in self.entries.items()}, self._add_from
+        )
+        self._ttl = PeriodicTask("catalog-ttl", self._unload_idle, ttl_check_seconds, log=log)
         self._preloads: set[asyncio.Task[None]] = set()
 
     # ----- life cycle ---------------------------------------------------------------------
@@ -176,22 +176,36 @@ class CatalogBackend:
         if self.spares is not None and not self._preloads:
             # Nothing boots now: the first request's model takes the spare.
             self.spares.replenish(engine_base_env())
-        self._ttl_task = asyncio.create_task(self._unload_idle(), name="catalog-ttl")
+        self._ttl.start()
 
     async def stop(self) -> None:
-        if self._ttl_task is not None:
-            self._ttl_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ttl_task
-        for task in [*self._resolving.values(), *self._preloads]:
+        """Stop every engine, whatever failed before: the background tasks (ttl, preloads,
+        adapter searches) are cancelled and waited for a moment, then every engine is stopped
+        together; one whose stop raises is logged and the others still stop."""
+        await self._ttl.aclose()
+        background = [*self._search.searches(), *self._preloads]
+        for task in background:
             task.cancel()
-        await asyncio.gather(*(entry.backend.stop() for entry in self.entries.values()))
+        if background:
+            done, _ = await asyncio.wait(background, timeout=_BACKGROUND_GRACE_SECONDS)
+            for task in done:  # each failure was logged, or answered to its requests, already
+                if not task.cancelled():
+                    task.exception()
+        entries = list(self.entries.values())
+        outcomes = await asyncio.gather(
+            *(entry.backend.stop() for entry in entries), return_exceptions=True
+        )
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                log.error("model %s: stopping its engine failed", entry.id, exc_info=outcome)
 
     async def _preload(self, entry: CatalogEntry) -> None:
         try:
             await self.make_resident(entry, "preload")
         except OpenAIError as exc:
             log.warning("model %s: not preloaded: %s", entry.id, exc.message)
+        except Exception:
+            log.exception("model %s: not preloaded", entry.id)
 
     # ----- which model serves a name ------------------------------------------------------
 
@@ -223,23 +237,8 @@ class CatalogBackend:
         """Whether an unregistered ``name`` may be found in a place the operator configured:
         an adapter folder of a model's ``adapter_dir``, or any model with ``resolvers`` (tried
         in order when a request comes; a name none of them had is not tried again for a
-        while)."""
-        if not _is_adapter_name(name) or self._missing.get(name, 0) > time.monotonic():
-            return False
-        return bool(self._places_for(name))
-
-    def _places_for(self, name: str) -> list[tuple[CatalogEntry, str]]:
-        """Where ``name`` may be, in order: each model's ``adapter_dir`` folder that exists,
-        then each model's resolvers."""
-        folders, remote = [], []
-        for entry in self.entries.values():
-            folder = entry.spec.adapter_dir
-            if folder is not None and (folder.expanduser() / name).is_dir():
-                folders.append((entry, str(folder.expanduser() / name)))
-            for place in entry.spec.resolvers:
-                source = place + name if place.startswith("hf://") else place
-                remote.append((entry, source.replace("{name}", quote(name, safe=""))))
-        return folders + remote
+        while: ``loragate.serving.adapter_search``)."""
+        return self._search.may_find(name)
 
     async def _owner_for(self, name: str) -> CatalogEntry:
         entry = self.owner(name)
@@ -247,32 +246,25 @@ class CatalogBackend:
             return entry
         if not self.resolves(name):
             raise model_not_found(name, self.model_ids())
-        task = self._resolving.get(name)
-        if task is None:  # one search per name; concurrent requests for it wait on the same one
-            task = asyncio.create_task(self._find(name), name=f"resolve-{name}")
-            self._resolving[name] = task
-            task.add_done_callback(lambda _: self._resolving.pop(name, None))
-        return await asyncio.shield(task)
+        try:
+            return self.entries[await self._search.find(name)]
+        except AdapterNotFound as exc:
+            missing = model_not_found(name, self.model_ids())
+            missing.message += " Looked for it at: " + "; ".join(exc.tried)
+            raise missing from None
 
-    async def _find(self, name: str) -> CatalogEntry:
-        """Add ``name`` from the first place that has it, through the admin API's pipeline."""
-        tried = []
-        for entry, source in self._places_for(name):
-            await self.make_resident(entry, f"adapter {name} requested")
-            await entry.backend.wait_until_prepared()
-            log.info("model %s: looking for adapter %s at %s", entry.id, name, redact_urls(source))
-            try:
-                # An operator's place (adapter_dir, resolvers): read wherever it is.
-                await entry.backend.put_adapter(name, source, local_roots=None)
-            except OpenAIError as exc:
-                tried.append(f"{redact_urls(source)}: {exc.message}")
-                continue
-            return entry
-        self._missing[name] = time.monotonic() + _MISSING_FOR_SECONDS
-        log.info("adapter %s found nowhere: %s", name, "; ".join(tried))
-        missing = model_not_found(name, self.model_ids())
-        missing.message += " Looked for it at: " + "; ".join(tried)
-        raise missing
+    async def _add_from(self, model_id: str, name: str, source: str) -> str | None:
+        """Add adapter ``name`` to ``model_id`` from ``source`` through the admin API's
+        pipeline (booting the model first): None once it serves, else why it could not."""
+        entry = self.entries[model_id]
+        await self.make_resident(entry, f"adapter {name} requested")
+        await entry.backend.wait_until_prepared()
+        try:
+            # An operator's place (adapter_dir, resolvers): read wherever it is.
+            await entry.backend.put_adapter(name, source, local_roots=None)
+        except OpenAIError as exc:
+            return exc.message
+        return None
 
     # ----- residency ----------------------------------------------------------------------
 
@@ -318,42 +310,37 @@ class CatalogBackend:
             finally:
                 entry.pending_load = None
 
-    def _fits(self, entry: CatalogEntry, resident: list[CatalogEntry]) -> bool:
-        cap = self.settings.max_loaded_models
-        if cap is not None and len(resident) + 1 > cap:
-            return False
-        if self.memory_budget is None:
-            return True
-        held = sum(other.backend.memory_bytes or 0 for other in resident)
-        return held + (entry.backend.memory_bytes or 0) <= self.memory_budget
-
     async def _make_room_for(self, entry: CatalogEntry) -> list[str]:
-        """Unload the least recently used idle engines until ``entry`` fits; wait (within the
-        queue deadline) while the others are loading or answering; a 503 when only kept
-        engines stand in the way, or the wait runs out."""
+        """Unload what ``loragate.serving.eviction`` says, one engine at a time (a request may
+        reach one between two unloads: the decision is taken again after each), until
+        ``entry`` fits; wait (within the queue deadline) while those in the way are loading or
+        answering; a 503 when it cannot fit, or the wait runs out."""
         deadline = time.monotonic() + self.settings.queue_deadline
         evicted: list[str] = []
         while True:
-            resident = [e for e in self.entries.values() if e is not entry and e.holds_memory]
-            if self._fits(entry, resident):
-                return evicted
-            candidates = sorted(
-                (e for e in resident if not e.spec.keep), key=lambda e: e.backend.last_used
+            decision = room_for(
+                entry.backend.memory_bytes,
+                [other.occupant() for other in self.entries.values() if other is not entry],
+                memory_budget=self.memory_budget,
+                max_loaded_models=self.settings.max_loaded_models,
             )
-            idle = [e for e in candidates if e.residency == RESIDENT and e.idle]
-            if idle:
-                victim = idle[0]
-                await self.unload(victim, f"making room for {entry.id}")
+            if decision.refused is not None:
+                raise _no_room(entry, decision.refused)
+            if decision.unload:
+                first = decision.unload[0]
+                victim = self.entries[first.model]
+                await self.unload(victim, f"making room for {entry.id}", stop=not first.sleep)
                 evicted.append(victim.id)
                 continue
-            if not candidates or time.monotonic() >= deadline:
-                busy = ", ".join(f"{e.id} ({e.residency})" for e in resident) or "none"
-                raise OpenAIError(
-                    503,
-                    f"no room to load model {entry.id!r}: the resident models ({busy}) are kept, "
-                    "loading, or still answering requests; retry shortly",
-                    code="model_capacity",
-                    headers={"Retry-After": "10"},
+            if decision.fits:
+                return evicted
+            if time.monotonic() >= deadline:
+                waited = (self.entries[model_id] for model_id in decision.wait_for)
+                busy = ", ".join(f"{e.id} ({e.residency})" for e in waited)
+                raise _no_room(
+                    entry,
+                    f"the models in the way ({busy}) are still loading or answering requests "
+                    f"after queue_deadline ({self.settings.queue_deadline:g} s); retry shortly",
                 )
             await asyncio.sleep(0.05)  # the least recently used drains, or finishes loading
 
@@ -388,16 +375,16 @@ class CatalogBackend:
         return entry
 
     async def _unload_idle(self) -> None:
-        while True:
-            await asyncio.sleep(_TTL_CHECK_SECONDS)
-            now = time.monotonic()
-            for entry in self.entries.values():
-                ttl = entry.spec.ttl
-                idle = entry.idle and entry.residency == RESIDENT
-                if ttl is not None and idle and now - entry.backend.last_used >= ttl:
-                    async with self._room:
-                        if entry.idle and entry.residency == RESIDENT:
-                            await self.unload(entry, f"idle for {ttl:g} s (ttl)")
+        """One ttl pass: unload each engine idle past its ``ttl``. An unload that raises is
+        logged and the pass goes on to the others; the next pass tries it again."""
+        for model_id in past_ttl([e.occupant() for e in self.entries.values()], time.monotonic()):
+            entry = self.entries[model_id]
+            try:
+                async with self._room:  # still idle once the room is ours?
+                    if past_ttl([entry.occupant()], time.monotonic()):
+                        await self.unload(entry, f"idle for {entry.spec.ttl:g} s (ttl)")
+            except Exception:
+                log.exception("model %s: its ttl unload failed; the next pass retries", model_id)
 
     # ----- serving ------------------------------------------------------------------------
 
@@ -566,14 +553,9 @@ class CatalogBackend:
     async def engine_metrics(self) -> bytes | None:
         """Every serving engine's own /metrics (``vllm:*``), each sample labelled with its
         ``catalog_model``; None when no engine serves."""
-        scraped = await asyncio.gather(
-            *(entry.backend.engine_metrics() for entry in self.entries.values())
-        )
-        found = {
-            entry.id: text
-            for entry, text in zip(self.entries.values(), scraped, strict=True)
-            if text
-        }
+        entries = list(self.entries.values())
+        scraped = await asyncio.gather(*(entry.backend.engine_metrics() for entry in entries))
+        found = {entry.id: text for entry, text in zip(entries, scraped, strict=True) if text}
         return merge_catalog_metrics(found) if found else None
 
     def engine_snapshot(self) -> EngineSnapshot:
@@ -583,6 +565,21 @@ class CatalogBackend:
     def engine_snapshots(self) -> dict[str, EngineSnapshot]:
         """Every model's engine, by model id (the metrics' engine gauges, one per model)."""
         return {entry.id: entry.backend.engine_snapshot() for entry in self.entries.values()}
+
+    def service_start(self) -> AllStarts:
+        """How the start goes, for systemd: the catalog serves once every model is prepared (a
+        cold one answers) and its preloads have booted."""
+        models = {entry.id: entry.backend for entry in self.entries.values()}
+        return AllStarts(models, self._preloads)
+
+
+def _no_room(entry: CatalogEntry, why: str) -> OpenAIError:
+    return OpenAIError(
+        503,
+        f"no room to load model {entry.id!r}: {why}",
+        code="model_capacity",
+        headers={"Retry-After": "10"},
+    )
 
 
 def _measured_budget() -> int:

@@ -13,21 +13,21 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from starlette.responses import Response
 
 from loragate.adapters.fleet_reconciler import FleetReconciler
-from loragate.adapters.intake.pipeline import admitted_source
 from loragate.adapters.manager import AdapterError, AdapterManager
-from loragate.adapters.progress import WaitProgress, current_progress
 from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.stats import AdapterStats
 from loragate.adapters.wiring import adapter_manager_for, fleet_reconciler_for
 from loragate.engine_flags import engine_arg_value
+from loragate.fetching.progress import WaitProgress, current_progress
 from loragate.gateway import spans
+from loragate.gateway.backends.adapter_admin import AdapterAdmin
 from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
 from loragate.gateway.errors import OpenAIError, model_not_found
@@ -49,25 +49,19 @@ from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 from loragate.supervisor.process import GatewayLock, tree_rss_bytes
 from loragate.supervisor.spare import SpareEngines, spare_engines
 from loragate.supervisor.states import EngineSnapshot, EngineState, residency
-from loragate.supervisor.systemd import SystemdNotifier, extend_start_while, watchdog_loop
+from loragate.supervisor.systemd import ServiceStart
 
 log = logging.getLogger("loragate.gateway")
 
 
-class SupervisedEngineBackend:
+class SupervisedEngineBackend(AdapterAdmin):
     # With --adapters-manifest: what converges this gateway's adapters on the fleet's.
     fleet: FleetReconciler | None = None
     # A catalog's spare engines, shared by its models, or a lone model's own when it asks
     # for one (``loragate.supervisor.spare``).
     spares: SpareEngines | None = None
 
-    def __init__(
-        self,
-        settings: Settings,
-        *,
-        notify_systemd: bool = True,
-        spares: SpareEngines | None = None,
-    ) -> None:
+    def __init__(self, settings: Settings, *, spares: SpareEngines | None = None) -> None:
         self.settings = settings
         self.cache_dir = settings.cache_dir.expanduser().resolve()
         self.base_name = settings.served_model_name
@@ -95,8 +89,6 @@ class SupervisedEngineBackend:
         self._bootstrap_task: asyncio.Task[None] | None = None
         self._extra_engine_args: list[str] = []
         self._engine_env: dict[str, str] = {}
-        # A catalog's engines leave systemd to the catalog (one service, one READY=1).
-        self._notifier = SystemdNotifier() if notify_systemd else SystemdNotifier({})
         # Requests sent to the engine and not yet answered, and when the last one ended: what a
         # catalog reads to unload only an idle engine, the least recently used first.
         self.in_flight = 0
@@ -111,13 +103,12 @@ class SupervisedEngineBackend:
         self.sleep_mode = False
         # A catalog model: its part of a per-base-model adapters manifest (``models.ID``).
         self.fleet_part: str | None = None
-        self._watchdog: asyncio.Task[None] | None = None
         # How far the start has come (download, dequantization, boot): /health, STATUS=.
         self.start_progress = WaitProgress(
             name=self.base_name, source=settings.model or "", stage="prepare"
         )
-        self._start_notes: asyncio.Task[None] | None = None
-        self.supervisor.add_listener(self._tell_systemd)
+        self._engine_settled = asyncio.Event()  # ready or failed once: ``until_serving``
+        self.supervisor.add_listener(self._engine_changed)
 
     # ----- life cycle ---------------------------------------------------------------------
 
@@ -130,18 +121,8 @@ class SupervisedEngineBackend:
             await asyncio.to_thread(self.spares.end_stale)
         self._boot_when_prepared = boot
         self._bootstrap_task = asyncio.create_task(self._bootstrap(), name="engine-bootstrap")
-        self._start_notes = asyncio.create_task(
-            extend_start_while(self._notifier, self.describe_start), name="start-notes"
-        )
-        if self._notifier.watchdog_interval is not None:
-            # The gateway's event loop answering is what systemd's watchdog checks.
-            self._watchdog = asyncio.create_task(watchdog_loop(self._notifier, lambda: True))
 
     async def stop(self) -> None:
-        self._notifier.stopping()
-        for task in (self._watchdog, self._start_notes):
-            if task is not None:
-                task.cancel()
         if self._bootstrap_task is not None and not self._bootstrap_task.done():
             self._bootstrap_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -157,20 +138,36 @@ class SupervisedEngineBackend:
         await self.proxy.aclose()
         self._lock.release()
 
-    def _tell_systemd(self, state: EngineState, reason: str) -> None:
+    def _engine_changed(self, state: EngineState, reason: str) -> None:
         if state == EngineState.STARTING and self._prepared.is_set():
             self.start_progress.enter("boot")
         elif state == EngineState.READY:
             self.start_progress.enter("done")
-        self._notifier.status(f"engine {state}: {reason}"[:200])
-        if state == EngineState.READY:
-            self._notifier.ready()
+        if state in (EngineState.READY, EngineState.FAILED):
+            self._engine_settled.set()
+
+    def service_start(self) -> ServiceStart:  # how the start goes, for systemd: itself
+        return self
+
+    async def until_serving(self) -> bool:
+        """True once it serves: its engine is ready (a catalog's cold model: once prepared);
+        False when the start gave up (not prepared, or its engine failed)."""
+        await self._prepared.wait()
+        booting = self._boot_when_prepared or self.supervisor.state != EngineState.STOPPED
+        if self._prepare_error is None and booting:
+            await self._engine_settled.wait()
+        return self._prepare_error is None and self.supervisor.state != EngineState.FAILED
+
+    def add_status_listener(self, listener: Callable[[str], None]) -> None:
+        """``listener`` gets ``engine STATE: reason`` on each of the engine's transitions."""
+        self.supervisor.add_listener(lambda state, why: listener(f"engine {state}: {why}"))
 
     def describe_start(self) -> str | None:
-        """What the start waits on, in one line (None once it is over); a boot's phase is
-        the supervisor's latest report."""
+        """What the start waits on, in one line (None once over, or for a cold model); a
+        boot's phase is the supervisor's latest report."""
         record = self.start_progress
-        if record.finished or self._prepare_error is not None:
+        failed = self._prepare_error is not None or self.supervisor.state == EngineState.FAILED
+        if record.finished or failed or (self._prepared.is_set() and record.stage != "boot"):
             return None
         if record.stage == "boot":
             record.message = self.supervisor.boot_progress or "engine starting"
@@ -526,6 +523,14 @@ class SupervisedEngineBackend:
             asleep=asleep,
         )
 
+    def model_entries(self) -> list[dict[str, Any]]:
+        """``/v1/models``: the base and its adapters, each with the base's ``residency``."""
+        ids, residency = self.model_ids(), self.residency()
+        return [
+            {"id": i, "parent": None if i == ids[0] else ids[0], "residency": residency}
+            for i in ids
+        ]
+
     def catalog_report(self) -> dict[str, Any]:
         """``gateway models list`` of a gateway serving one base model: that model, kept."""
         _, health = self.health()
@@ -579,87 +584,6 @@ class SupervisedEngineBackend:
     def _only_model(self, model_id: str) -> None:
         if model_id != self.base_name:
             raise model_not_found(model_id, [self.base_name])
-
-    def require_manager(self) -> AdapterManager:
-        if self.manager is None:
-            raise OpenAIError(503, "the gateway is still starting", code="engine_starting")
-        return self.manager
-
-    def _changeable_manager(self) -> AdapterManager:
-        """The manager, for a change to this gateway's adapters: refused when a fleet manifest
-        owns them (a change here would diverge from the other replicas)."""
-        if self.fleet is not None:
-            raise OpenAIError(
-                409,
-                f"this gateway serves the adapters of the manifest {self.fleet.report()['source']}"
-                "; change the manifest instead (every replica following it converges on the "
-                "change)",
-                code="managed_by_manifest",
-            )
-        return self.require_manager()
-
-    def admit_adapter_change(self) -> None:
-        self._changeable_manager()
-
-    def adapters_report(self) -> dict[str, Any]:
-        manager = self.require_manager()
-        return {
-            "base_model": manager.base_name,
-            "data": manager.list(),
-            # Adds running now or finished lately (a failed add of a new name shows only here).
-            "progress": [record.as_dict() for record in manager.progress.all()],
-            "adapters_manifest": self.fleet.report() if self.fleet is not None else None,
-        }
-
-    def adapter_report(self, name: str) -> dict[str, Any]:
-        manager = self.require_manager()
-        record = manager.progress.get(name)
-        try:
-            body = manager.describe(name)
-        except KeyError:
-            if record is None:
-                raise OpenAIError(
-                    404, f"no adapter named {name!r}", code="adapter_not_found"
-                ) from None
-            body = {"name": name, "state": record.stage if record.finished else "adding"}
-        return {**body, "progress": record.as_dict() if record else None}
-
-    async def put_adapter(
-        self,
-        name: str,
-        source: str,
-        revision: str | None = None,
-        follow: bool = False,
-        preset: dict[str, Any] | None = None,
-        *,
-        local_roots: Sequence[Path] | None,
-    ) -> dict[str, Any]:
-        manager = self._changeable_manager()
-        try:
-            if local_roots is not None:
-                source = await admitted_source(source, local_roots)
-            return await manager.put(name, source, revision, follow, preset=preset)
-        except AdapterError as exc:
-            raise _refusal(exc) from None
-
-    async def remove_adapter(self, name: str) -> None:
-        manager = self._changeable_manager()
-        try:
-            await manager.remove(name)
-        except AdapterError as exc:
-            raise _refusal(exc) from None
-
-    async def rollback_adapter(self, name: str) -> dict[str, Any]:
-        manager = self._changeable_manager()
-        try:
-            return await manager.rollback(name)
-        except AdapterError as exc:
-            raise _refusal(exc) from None
-
-
-def _refusal(exc: AdapterError) -> OpenAIError:
-    """An adapter operation's error as the answer a client gets: its status, text and code."""
-    return OpenAIError(exc.status, str(exc), code=exc.code)
 
 
 def _nothing() -> None:
