@@ -11,6 +11,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from loragate.gateway.metrics import current_observation
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -57,11 +59,17 @@ class OpenAIError(Exception):
         }
 
     def response(self) -> Response:
+        """The error's answer, with the request's id when it is an inference request (the
+        gateway's own refusals carry it as the engine's answers do)."""
+        headers = self.headers
+        observation = current_observation.get()
+        if observation is not None and observation.request_id and "X-Request-ID" not in headers:
+            headers = {**headers, "X-Request-ID": observation.request_id}
         return Response(
             orjson.dumps(self.body()),
             status_code=self.status,
             media_type="application/json",
-            headers=self.headers,
+            headers=headers,
         )
 
 

@@ -223,6 +223,19 @@ def test_a_request_id_in_the_safe_alphabet_is_kept(tmp_path: Path, way: str) -> 
             assert response.headers["x-request-id"] == given
 
 
+@pytest.mark.parametrize("way", WAYS)
+def test_the_gateways_own_refusals_carry_the_request_id(tmp_path: Path, way: str) -> None:
+    """A 400 (a bad value) and a 404 (a model it does not serve) answered by the gateway
+    itself carry the request's id as the backend's answers do: the client's, else a new one."""
+    with gateway(tmp_path, way, EchoingBackend()) as (client, _):
+        bad = client.post(
+            "/v1/chat/completions", json=chat(temperature=-1), headers={"X-Request-ID": "mine"}
+        )
+        assert bad.status_code == 400 and bad.headers["x-request-id"] == "mine"
+        unknown = client.post("/v1/chat/completions", json={**chat(), "model": "nope"})
+        assert unknown.status_code == 404 and len(unknown.headers["x-request-id"]) == 32
+
+
 # ----- open admin behind a proxy ----------------------------------------------------------------
 
 PROXY_HEADERS = [

@@ -4,160 +4,35 @@ The Vi SDK's local server (``vi.deployment.local.server.create_server(backend=..
 ``loragate.create_server(backend=...)`` serve the same backend, a subclass of the Vi SDK's own
 ``InferenceBackend`` (``vi/deployment/local/backends/base.py``), each under a real uvicorn on
 its own port; the same requests go to both, and what each answered and what each handed the
-backend are compared. Every difference asserted here is a row of docs/vi-sdk.md's table.
+backend are compared. Every difference asserted here is a row of docs/vi-sdk.md's table, which
+tests/unit/test_vi_differences.py checks against the whole corpus (tests/vi_side_by_side/).
 Then the Vi SDK's ``ViStreamingClient`` (``vi/deployment/local/stream.py``) against
 ``python -m loragate`` started with the Vi server's flags (on the stand-in engine).
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import io
 import json
 import shutil
 import sys
-import threading
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from PIL import Image
 
 import loragate
 from loragate.settings import SettingsError
-from tests.gateway_process import GatewayProcess, free_port
+from tests.gateway_process import GatewayProcess
 
 vi_server = pytest.importorskip("vi.deployment.local.server", reason="needs vi-sdk")
-from vi.deployment.local.backends.base import (  # noqa: E402
-    GenerationResult as ViGenerationResult,
-)
-from vi.deployment.local.backends.base import InferenceBackend as ViInferenceBackend  # noqa: E402
 from vi.deployment.local.stream import ViStreamingClient  # noqa: E402
 
-
-def _png_base64() -> str:
-    buffer = io.BytesIO()
-    Image.new("RGB", (4, 4), (0, 200, 0)).save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
-PNG_BASE64 = _png_base64()
-PNG_URI = "data:image/png;base64," + PNG_BASE64
-
-
-def _handed(value: Any) -> Any:
-    """What the backend got, comparable across servers: a Pydantic class by its schema."""
-    if isinstance(value, type) and hasattr(value, "model_json_schema"):
-        return {"pydantic_model": value.__name__, "schema": value.model_json_schema()}
-    return value
-
-
-class RecordingViBackend(ViInferenceBackend):
-    """A backend as a Vi SDK user writes it: the Vi SDK's base class, its five methods, its
-    GenerationResult; it records each call as the server made it."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.models = ["vi-model"]
-        self.models_fail = False  # available_models() raises, as a backend whose registry is down
-
-    def available_models(self) -> list[str]:
-        if self.models_fail:
-            raise RuntimeError("the model registry is down")
-        return list(self.models)
-
-    def _record(self, method: str, **kwargs: Any) -> str:
-        self.calls.append((method, {k: _handed(v) for k, v in kwargs.items()}))
-        prompt = kwargs.get("user_prompt") or json.dumps(kwargs.get("messages"))
-        if "explode" in prompt:
-            raise ValueError("the backend refuses to explode")
-        return f"answer to {prompt[:40]}"
-
-    async def generate(
-        self, messages: Any, response_format: Any = None, generation_config: Any = None, **kw: Any
-    ) -> ViGenerationResult:
-        text = self._record(
-            "generate",
-            messages=messages,
-            response_format=response_format,
-            generation_config=generation_config,
-            **kw,
-        )
-        return ViGenerationResult(text=text, prompt_tokens=3, completion_tokens=4)
-
-    async def generate_stream(
-        self, messages: Any, response_format: Any = None, generation_config: Any = None, **kw: Any
-    ) -> AsyncIterator[str]:
-        text = self._record(
-            "generate_stream",
-            messages=messages,
-            response_format=response_format,
-            generation_config=generation_config,
-            **kw,
-        )
-        for word in text.split(" "):
-            yield word + " "
-
-    async def generate_vi_format(
-        self,
-        source: Any = None,
-        user_prompt: Any = None,
-        response_format: Any = None,
-        generation_config: Any = None,
-        **kw: Any,
-    ) -> ViGenerationResult:
-        text = self._record(
-            "generate_vi_format",
-            source=source,
-            user_prompt=user_prompt,
-            response_format=response_format,
-            generation_config=generation_config,
-            **kw,
-        )
-        return ViGenerationResult(text=text, prompt_tokens=3, completion_tokens=4)
-
-    async def generate_stream_vi_format(
-        self,
-        source: Any = None,
-        user_prompt: Any = None,
-        response_format: Any = None,
-        generation_config: Any = None,
-        **kw: Any,
-    ) -> AsyncIterator[str]:
-        text = self._record(
-            "generate_stream_vi_format",
-            source=source,
-            user_prompt=user_prompt,
-            response_format=response_format,
-            generation_config=generation_config,
-            **kw,
-        )
-        for word in text.split(" "):
-            yield word + " "
-
-
-@contextlib.contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """``app`` under a real uvicorn on a free loopback port."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+from tests.vi_side_by_side.corpus import PNG_BASE64, PNG_URI  # noqa: E402
+from tests.vi_side_by_side.servers import RecordingViBackend, serving  # noqa: E402
 
 
 @dataclass
@@ -226,7 +101,7 @@ SCHEMA = {
 }
 
 # Requests both servers answer alike, and hand the backend alike.
-SAME = {
+SAME: dict[str, dict[str, Any]] = {
     "openai": {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5},
     "openai-stream": {"messages": [{"role": "user", "content": "hi"}], "stream": True},
     "openai-sampling": {
