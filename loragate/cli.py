@@ -13,9 +13,11 @@ from typing import Annotated
 import typer
 
 from loragate.cli_adapters import adapters_app, models_app
+from loragate.cli_cache import cache_app
 from loragate.cli_chat import chat
 from loragate.cli_errors import FAILURE, fail
 from loragate.cli_help import PlainCommand, plain_typer
+from loragate.cli_plan import plan
 from loragate.cli_serve import ServeCommand, demo, serve
 from loragate.cli_status import status
 
@@ -29,6 +31,7 @@ app = plain_typer(
 )
 app.add_typer(adapters_app, name="adapters", context_settings=HELP_OPTIONS)
 app.add_typer(models_app, name="models", context_settings=HELP_OPTIONS)
+app.add_typer(cache_app, name="cache", context_settings=HELP_OPTIONS)
 
 
 def _version(value: bool) -> None:
@@ -54,6 +57,7 @@ def _root(
 
 app.command(cls=ServeCommand)(serve)
 app.command(cls=ServeCommand)(demo)
+app.command(cls=ServeCommand)(plan)
 app.command(cls=PlainCommand)(chat)
 app.command(cls=PlainCommand)(status)
 
@@ -88,10 +92,10 @@ def pull(
     MODEL is a Hugging Face id, or a GGUF file (path/model.gguf, hf://ORG/REPO/FILE.gguf,
     pkg://DIST/PATH), which is also dequantized once into the cache.
     """
-    from loragate.adapters.progress import WaitProgress, current_progress
     from loragate.base_model.resolve import resolve_base_model
     from loragate.cli_progress import run_showing_progress, stderr_echo
     from loragate.demo.layout import default_cache_dir
+    from loragate.fetching.progress import WaitProgress, current_progress
 
     # The download's bytes and a dequantization's tensors, as one line on stderr.
     record = WaitProgress(name=model, source=model, stage="prepare")

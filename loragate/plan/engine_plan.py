@@ -33,11 +33,12 @@ from loragate.plan.cpu import (
     user_sized,
     weights_bytes,
 )
+from loragate.plan.gpu.placement import Placement
+from loragate.plan.gpu.serve_plan import plan_one
 from loragate.plan.preflight import check_resolved_model, run_preflight
 from loragate.plan.preflight.host import check_port
 from loragate.plan.preflight.machine import visible_gpus
-from loragate.plan.preflight.memory import memory_plan
-from loragate.plan.preflight.problem import PreflightError
+from loragate.plan.preflight.problem import PreflightError, PreflightProblem
 from loragate.plan.tool_parsers import check_tool_parser, tool_engine_args
 from loragate.settings import Settings
 from loragate.supervisor.command import is_cpu_build
@@ -58,6 +59,9 @@ class EnginePlan:
     # About what the running engine holds (weights, KV cache, runtime), where loragate can tell:
     # what a catalog counts against its memory budget. None: unknown (counted as nothing).
     memory_bytes: int | None = None
+    # On GPUs: where the engine runs and its share of each GPU (``gpu.held_bytes``: what it
+    # holds of each, by GPU number); None on the CPU build, or without nvidia-smi.
+    gpu: Placement | None = None
 
 
 class NoModelError(ValueError):
@@ -112,13 +116,22 @@ def check_before_start(settings: Settings) -> None:
             cache_dir=settings.cache_dir.expanduser(),
             parallel=settings.parallel,
             engine_args=settings.engine_args,
+            model_name=settings.served_model_name,
+            lora=(settings.max_loras, settings.max_lora_rank),
         )
     if problems:
         raise PreflightError(problems)
 
 
-async def plan_engine(settings: Settings, cache_dir: Path) -> EnginePlan:
-    """The plan for ``settings``; raises ``PreflightError`` for a layout that cannot boot."""
+async def plan_engine(
+    settings: Settings, cache_dir: Path, gpu: Placement | None = None
+) -> EnginePlan:
+    """The plan for ``settings``; raises ``PreflightError`` for a layout that cannot boot.
+
+    On GPUs the engine boots with the GPU plan's ``--gpu-memory-utilization`` and
+    ``CUDA_VISIBLE_DEVICES``: ``gpu``, a catalog's placement of this model among its others
+    (``loragate.plan.gpu.serve_plan.plan_settings``), else this model planned alone on the
+    visible GPUs; a model the plan refuses is refused here with the plan's reason."""
     plan, tool_parser = await _choose_model(settings, cache_dir)
     plan.extra_args += await asyncio.to_thread(
         tool_engine_args,
@@ -139,10 +152,6 @@ async def plan_engine(settings: Settings, cache_dir: Path) -> EnginePlan:
         given = flag_value(list(settings.engine_args), "--kv-cache-memory-bytes")
         if given is not None and given.isdigit():
             plan.memory_bytes = weights_bytes(plan.model_dir) + int(given) + RUNTIME_BYTES
-    if plan.cpu_build:
-        await asyncio.to_thread(_choose_cpu_lora_ops, settings, plan)
-    else:
-        plan.memory_bytes = await asyncio.to_thread(_gpu_memory_bytes, settings, plan)
     layout = settings.parallel
     if settings.engine_command is None and (layout.spread or layout.backend is not None):
         # The command line's preflight could not see a model it had not downloaded yet.
@@ -154,7 +163,13 @@ async def plan_engine(settings: Settings, cache_dir: Path) -> EnginePlan:
             dtype_bytes=dtype_bytes(plan.base_config, settings.engine_args),
             cpu_build=plan.cpu_build,
             engine_args=settings.engine_args,
+            model_name=settings.served_model_name,
+            lora=(settings.max_loras, settings.max_lora_rank),
         )
+    if plan.cpu_build:
+        await asyncio.to_thread(_choose_cpu_lora_ops, settings, plan)
+    elif settings.engine_command is None:
+        await asyncio.to_thread(_place_on_gpus, settings, plan, gpu)
     return plan
 
 
@@ -218,26 +233,38 @@ async def _choose_model(settings: Settings, cache_dir: Path) -> tuple[EnginePlan
     return EnginePlan(model_dir, base_config, boot_loras, extra_args), tool_parser
 
 
-def _gpu_memory_bytes(settings: Settings, plan: EnginePlan) -> int | None:
-    """What the engine will hold of its GPUs: with ``--kv-cache-memory-bytes``, the memory
-    plan's need (weights in their served dtype, headroom, that cache) on each GPU it uses;
-    without, vLLM takes its ``--gpu-memory-utilization`` share of each (so a catalog whose
-    models share GPUs must lower it per model)."""
-    needs = memory_plan(
-        plan.model_dir,
-        settings.engine_args,
-        dtype_bytes=dtype_bytes(plan.base_config, settings.engine_args),
-        layout=settings.parallel,
+def _place_on_gpus(settings: Settings, plan: EnginePlan, gpu: Placement | None) -> None:
+    """Add the GPU plan's share and devices to the engine's flags and environment (the user's
+    own --gpu-memory-utilization stays theirs); ``PreflightError`` with the plan's reason when
+    it refuses the engine. Without nvidia-smi nothing is added: vLLM's defaults apply."""
+    if gpu is None or gpu.fits is None:  # none given, or one planned before the model was here
+        gpus = visible_gpus()
+        if not gpus:
+            return
+        gpu = plan_one(
+            plan.model_dir,
+            gpus,
+            settings.parallel,
+            engine_args=[*plan.extra_args, *settings.engine_args],
+            engine_python=settings.engine_python,
+            name=settings.served_model_name,
+            max_loras=settings.max_loras,
+            max_lora_rank=settings.max_lora_rank,
+        )
+    if gpu.fits is False and gpu.reason:
+        raise PreflightError([PreflightProblem("memory", gpu.reason)])
+    if not gpu.fits:
+        log.info("GPU plan: %s", gpu.reason)  # its need cannot be told: vLLM's defaults
+        return
+    plan.gpu = gpu
+    plan.extra_args += gpu.args
+    plan.env.update(gpu.env)
+    plan.memory_bytes = sum(gpu.held_bytes.values())
+    plan.memory_plan = (
+        f"GPU plan: {', '.join(f'GPU {d}' for d in gpu.devices)} at "
+        f"--gpu-memory-utilization {gpu.share:g}, max_model_len {gpu.max_model_len}"
     )
-    if needs is None:
-        return None
-    if needs.kv_cache_bytes is not None or needs.gpu_memory_utilization is None:
-        return needs.need_per_gpu * needs.split
-    gpus = visible_gpus() or []
-    used = gpus[: needs.split]
-    if not used:
-        return None
-    return int(needs.gpu_memory_utilization * sum(gpu.total_bytes for gpu in used))
+    log.info("engine memory: %s", plan.memory_plan)
 
 
 def _choose_cpu_lora_ops(settings: Settings, plan: EnginePlan) -> None:

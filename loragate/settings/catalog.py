@@ -57,6 +57,15 @@ class CatalogModel(BaseModel):
     engine_args: list[str] = Field(
         default_factory=list, description="Engine flags for this model, after the gateway's own."
     )
+    devices: list[int] | None = Field(
+        default=None,
+        description=(
+            "The GPUs this model's engine runs on, by their number in `gateway plan`'s list "
+            "(nvidia-smi's order, within CUDA_VISIBLE_DEVICES), one per GPU its parallel "
+            "layout uses. Default: the plan places it on the GPUs with room, beside the models "
+            "that fit there."
+        ),
+    )
 
     @field_validator("lora", "engine_args", "resolvers", mode="before")
     @classmethod
@@ -68,6 +77,13 @@ class CatalogModel(BaseModel):
     def _engine_args_leave_loragates_flags(cls, value: list[str]) -> list[str]:
         # --model, --port, --enable-lora, ...: what the catalog sets for each model's engine.
         check_engine_args(value, where="a model's engine_args")
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _devices_are_distinct_gpus(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or min(value) < 0 or len(set(value)) != len(value)):
+            raise ValueError("devices: give distinct GPU numbers from 0, e.g. [0] or [0, 1]")
         return value
 
     @field_validator("resolvers")
@@ -89,9 +105,9 @@ class CatalogFields(BaseModel):
         default_factory=dict,
         description=(
             "Several base models behind one gateway (the config file, or --model repeated): ID: "
-            "{model, lora, adapter_dir, resolvers, ttl, keep, preload, sleep, engine_args}. Each "
-            "gets its own engine, booted on its first request, and its own adapters; clients "
-            "name the ID or an adapter (docs/catalog.md)."
+            "{model, lora, adapter_dir, resolvers, ttl, keep, preload, sleep, engine_args, "
+            "devices}. Each gets its own engine, booted on its first request, and its own "
+            "adapters; clients name the ID or an adapter (docs/catalog.md)."
         ),
     )
     max_loaded_models: int | None = Field(
@@ -103,7 +119,8 @@ class CatalogFields(BaseModel):
         default=None,
         description=(
             "With models: the memory the resident engines may take together (e.g. 12GiB). "
-            "Default: what preflight measures (free GPU memory, or available RAM on the CPU build)."
+            "Default: each GPU's free memory at start, counted per GPU and never summed across "
+            "GPUs (docs/gpu.md), or the available RAM on the CPU build."
         ),
     )
 

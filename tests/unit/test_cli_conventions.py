@@ -26,6 +26,10 @@ COMMANDS = [
     ["adapters", "remove"],
     ["adapters", "rollback"],
     ["adapters", "convert"],
+    ["cache"],
+    ["cache", "list"],
+    ["cache", "remove"],
+    ["cache", "prune"],
 ]
 
 

@@ -1,6 +1,7 @@
-"""The start-up memory plan against faked GPUs (a stand-in ``nvidia-smi`` on PATH) and model
-directories whose safetensors files are real headers over holes: a 4B checkpoint's tensor
-names, dtypes and shapes, without 8 GB of weights."""
+"""The memory plan's weights, and the GPU plan built on them, against faked GPUs (a stand-in
+``nvidia-smi`` on PATH) and model directories whose safetensors files are real headers over
+holes: a 4B checkpoint's tensor names, dtypes and shapes, without 8 GB of weights. The GPU
+rules themselves (the share, one full sequence, placement) are tests/unit/test_gpu_plan.py's."""
 
 from __future__ import annotations
 
@@ -11,14 +12,10 @@ from pathlib import Path
 import pytest
 
 from loragate.engine_flags import ParallelLayout
+from loragate.plan.gpu.serve_plan import check_gpu_memory
 from loragate.plan.preflight.machine import GpuInfo, visible_gpus
-from loragate.plan.preflight.memory import (
-    MemoryPlan,
-    check_gpu_memory,
-    check_memory,
-    memory_plan,
-    served_dtype,
-)
+from loragate.plan.preflight.memory import MemoryPlan, check_memory, memory_plan
+from loragate.plan.preflight.model_files import served_dtype
 from tests.unit.test_preflight import GiB, MiB, fake_nvidia_smi, safetensors_file
 
 # A Qwen3-4B-shaped decoder: 36 layers, hidden 2560, 32 query and 8 KV heads of 128, tied
@@ -56,6 +53,7 @@ def config(directory: Path, **extra: object) -> None:
                 "head_dim": 128,
                 "intermediate_size": INTERMEDIATE,
                 "tie_word_embeddings": True,
+                "max_position_embeddings": 40960,
                 "torch_dtype": "bfloat16",
                 **extra,
             }
@@ -127,7 +125,7 @@ def plan_of(model: Path, *engine_args: str, layout: ParallelLayout | None = None
 
 
 def gpu_check(model: Path, gpus: list[GpuInfo], *engine_args: str) -> str | None:
-    problem = check_gpu_memory(model, 2, gpus, ParallelLayout(), engine_args=list(engine_args))
+    problem = check_gpu_memory(model, gpus, ParallelLayout(), engine_args=list(engine_args))
     assert problem is None or problem.check == "memory"
     return None if problem is None else problem.message
 
@@ -149,9 +147,14 @@ def test_bf16_4b_with_fp8_quantization_fits_an_8_gb_gpu(
         "4.1 GiB of weights: the linear layers at 1 byte per parameter by --quantization fp8, "
         "the embeddings and the rest bfloat16 at 2 bytes per parameter"
     )
-    assert plan.fits(eight_gb_gpu)
-    assert gpu_check(model, eight_gb_gpu, "--quantization", "fp8") is None
-    assert gpu_check(model, eight_gb_gpu, "--quantization=fp8_per_block") is None
+    # At its whole 40960-token context one sequence's KV cache (5.6 GiB) does not fit too.
+    assert (
+        gpu_check(model, eight_gb_gpu, "--quantization", "fp8", "--max-model-len", "4096") is None
+    )
+    assert (
+        gpu_check(model, eight_gb_gpu, "--quantization=fp8_per_block", "--max-model-len=4k") is None
+    )
+    assert "It fits with --max-model-len" in (gpu_check(model, eight_gb_gpu, "-q", "fp8") or "")
 
 
 def test_bf16_4b_alone_is_refused_with_the_plans_numbers(
@@ -161,18 +164,13 @@ def test_bf16_4b_alone_is_refused_with_the_plans_numbers(
     plan = plan_of(model)
     parameters = LINEAR_PARAMETERS + EMBEDDING_PARAMETERS + NORM_PARAMETERS
     assert plan.weights_bytes == 2 * parameters
-    assert plan.need_per_gpu == plan.weights_bytes + int(plan.weights_bytes * 0.1) + GiB
     message = gpu_check(model, eight_gb_gpu)
-    assert message == (
-        f"{plan.describe()} but vLLM may take only 7.2 GiB of {ON_IT} (0.9 of its 8.0 GiB, "
-        "--gpu-memory-utilization): pick a smaller or quantized model, or quantize it as it "
-        "loads (--quantization fp8_per_tensor after --), or spread it over GPUs with "
-        "--tensor-parallel-size N."
+    assert message is not None
+    assert message.startswith(
+        f"qwen3-4b needs 14.4 GiB on GPU 0 (NVIDIA GeForce RTX 4060, 8.0 GiB, 7.6 GiB free): "
+        f"{plan.describe_weights()}, 5.6 GiB of KV cache for one 40960-token sequence"
     )
-    assert plan.describe() == (
-        f"The model in {model} needs about 9.2 GiB (7.5 GiB of bfloat16 weights at 2 bytes per "
-        "parameter, plus 1.7 GiB of headroom)"
-    )
+    assert "It fits with --quantization fp8_per_tensor --max-model-len " in message
 
 
 def test_awq_4bit_checkpoint_counts_as_stored_and_fits(
@@ -194,55 +192,40 @@ def test_awq_4bit_checkpoint_counts_as_stored_and_fits(
     assert plan.describe_weights().startswith(
         "2.5 GiB of weights: awq 4-bit as stored in the checkpoint, the float rest float16 at 2"
     )
-    assert gpu_check(model, eight_gb_gpu) is None
-    # The checkpoint's own quantization wins over a --quantization that would cast it again.
-    assert plan_of(model, "--quantization", "fp8").weights_bytes == plan.weights_bytes
+    assert gpu_check(model, eight_gb_gpu, "--max-model-len", "8192") is None
+    # vLLM refuses a --quantization other than the checkpoint's own (config/model.py:1443).
+    refused = gpu_check(model, eight_gb_gpu, "--quantization", "fp8", "--max-model-len", "8192")
+    assert refused == (
+        "--quantization fp8: the checkpoint is already quantized with awq, and vLLM refuses a "
+        "--quantization other than the checkpoint's own: drop the flag."
+    )
 
 
-def test_kv_cache_memory_bytes_is_added_to_the_need(
+def test_kv_cache_memory_bytes_is_the_kv_part_of_the_need(
     tmp_path: Path, eight_gb_gpu: list[GpuInfo]
 ) -> None:
     model = bf16_4b(tmp_path / "qwen3-4b")
-    without = plan_of(model, "--quantization", "fp8")
     with_kv = plan_of(model, "--quantization", "fp8", "--kv-cache-memory-bytes", "3G")
     assert with_kv.kv_cache_bytes == 3 * GiB
-    assert with_kv.need_per_gpu == without.need_per_gpu + 3 * GiB
     message = gpu_check(model, eight_gb_gpu, "--quantization", "fp8", "--kv-cache-memory-bytes=3G")
     assert message is not None
-    assert message.startswith(with_kv.describe() + " but only 7.6 GiB of free GPU memory")
-    assert "and 3.0 GiB of KV cache (--kv-cache-memory-bytes))" in message
-    assert "lower --kv-cache-memory-bytes, free some memory" in message
+    assert "3.0 GiB of KV cache (--kv-cache-memory-bytes)" in message
+    # 3 GiB holds a sequence of about 21,000 tokens, not the 40960 vLLM would serve.
+    assert "It fits with --max-model-len" not in message or "--kv-cache-memory-bytes" in message
 
 
-def test_kv_cache_memory_bytes_sets_aside_the_utilization_share(
-    tmp_path: Path, eight_gb_gpu: list[GpuInfo]
-) -> None:
-    # vLLM ignores --gpu-memory-utilization when --kv-cache-memory-bytes sizes the cache: the
-    # 7.4 GiB needed exceeds the 0.9 share (7.2 GiB) but fits the 7.6 GiB free.
-    model = bf16_4b(tmp_path / "qwen3-4b")
-    args = ("--quantization", "fp8", "--kv-cache-memory-bytes", "1900M")
-    plan = plan_of(model, *args)
-    [gpu] = eight_gb_gpu
-    assert gpu.total_bytes * 0.9 < plan.need_per_gpu <= gpu.free_bytes
-    assert gpu_check(model, eight_gb_gpu, *args) is None
-
-
-def test_gpu_memory_utilization_lowers_the_room(
+def test_a_given_share_below_the_need_is_refused_naming_one_that_fits(
     tmp_path: Path, eight_gb_gpu: list[GpuInfo]
 ) -> None:
     model = bf16_4b(tmp_path / "qwen3-4b")
-    args = ("--quantization", "fp8", "--gpu-memory-utilization", "0.5")
-    plan = plan_of(model, *args)
-    [gpu] = eight_gb_gpu
-    assert plan.room_on(gpu) == int(gpu.total_bytes * 0.5)
-    # The share that would hold the need, rounded up to a hundredth: 0.7 of 8188 MiB.
-    assert 0.69 * gpu.total_bytes < plan.need_per_gpu <= 0.70 * gpu.total_bytes
+    args = ("--quantization", "fp8", "--max-model-len", "4096", "--gpu-memory-utilization", "0.5")
     message = gpu_check(model, eight_gb_gpu, *args)
-    assert message == (
-        f"{plan.describe()} but vLLM may take only 4.0 GiB of {ON_IT} (0.5 of its 8.0 GiB, "
-        "--gpu-memory-utilization): raise --gpu-memory-utilization to 0.7 after --, or pick a "
-        "smaller or quantized model, or spread it over GPUs with --tensor-parallel-size N."
-    )
+    assert message is not None
+    assert "but --gpu-memory-utilization 0.5 gives it 4.0 GiB" in message
+    # What is free less the CUDA context: (7800 - 512) / 8188 MiB, in thousandths.
+    assert message.endswith("It fits with --gpu-memory-utilization 0.89 (after --).")
+    assert gpu_check(model, eight_gb_gpu, *args[:-1], "0.89") is None
+    assert "so vLLM refuses to start" in (gpu_check(model, eight_gb_gpu, *args[:-1], "0.9") or "")
 
 
 def test_tensor_parallelism_cuts_the_planned_weights(tmp_path: Path) -> None:
@@ -251,15 +234,16 @@ def test_tensor_parallelism_cuts_the_planned_weights(tmp_path: Path) -> None:
     assert plan.weights_per_gpu == math.ceil(plan.weights_bytes / 2)
     four_gb = [GpuInfo(str(i), "NVIDIA T1000", 4 * GiB, 3 * GiB) for i in range(2)]
     problem = check_gpu_memory(
-        model, 2, four_gb, ParallelLayout(tensor=2), engine_args=["--quantization", "fp8"]
+        model, four_gb, ParallelLayout(tensor=2), engine_args=["--quantization", "fp8"]
     )
     assert problem is not None
     assert problem.message.startswith(
-        f"--tensor-parallel-size 2 cuts the model in {model} (4.1 GiB of weights: the linear "
-        "layers at 1 byte per parameter by --quantization fp8, the embeddings and the rest "
-        "bfloat16 at 2 bytes per parameter) into 2 parts of about 2.1 GiB, so each GPU needs "
-        "about 3.3 GiB with headroom, but GPU 0 (NVIDIA T1000) has only 3.0 GiB free: "
+        "qwen3-4b needs 6.1 GiB on each of the 2 GPUs --tensor-parallel-size 2 spreads it over "
+        "(the tightest: GPU 0 (NVIDIA T1000, 4.0 GiB, 3.0 GiB free)): its part (2.1 GiB) of "
+        "4.1 GiB of weights"
     )
+    # Its KV heads split too: a 40960-token sequence is 2.8 GiB on each GPU.
+    assert "2.8 GiB of KV cache for one 40960-token sequence" in problem.message
 
 
 def test_dtype_flag_and_vllms_auto_rule(tmp_path: Path) -> None:
@@ -298,12 +282,14 @@ def test_quantized_checkpoint_without_weight_files_is_estimated_at_its_bits(
     assert plan.bits == 4
 
 
-def test_an_unknown_quantization_method_skips_the_check(
+def test_a_quantization_vllm_does_not_take_is_refused(
     tmp_path: Path, eight_gb_gpu: list[GpuInfo]
 ) -> None:
     model = bf16_4b(tmp_path / "qwen3-4b")
     assert memory_plan(model, ["--quantization", "some_future_method"]) is None
-    assert gpu_check(model, eight_gb_gpu, "-q", "some_future_method") is None
+    message = gpu_check(model, eight_gb_gpu, "-q", "some_future_method")
+    assert message is not None
+    assert message.startswith("--quantization some_future_method: vLLM 0.32.0 does not take it")
 
 
 def test_host_memory_check_uses_the_plan(tmp_path: Path) -> None:
@@ -329,20 +315,6 @@ def test_kv_cache_memory_bytes_reads_vllms_suffixes(
     assert plan_of(model, "--kv-cache-memory-bytes", value).kv_cache_bytes == expected
 
 
-def test_callers_without_the_engines_flags_keep_the_free_memory_room(tmp_path: Path) -> None:
-    # Without engine_args the share is unknown (the user may have raised it after --): only
-    # what is free counts, as before the plan read the flags.
-    model = bf16_4b(tmp_path / "qwen3-4b")
-    legacy = memory_plan(model, dtype_bytes=2)
-    assert legacy is not None
-    assert (legacy.dtype, legacy.gpu_memory_utilization) == (None, None)
-    # 9.2 GiB needed: within the 9.8 GiB free, over the default share (0.9 of 10 GiB).
-    gpu = GpuInfo("0", "NVIDIA L4", 10 * GiB, 98 * GiB // 10)
-    assert legacy.room_on(gpu) == gpu.free_bytes
-    assert check_gpu_memory(model, 2, [gpu], ParallelLayout()) is None
-    assert check_gpu_memory(model, 2, [gpu], ParallelLayout(), engine_args=[]) is not None
-
-
 def test_the_preflight_composition_hands_the_engine_flags_to_the_memory_plan(
     tmp_path: Path, eight_gb_gpu: list[GpuInfo]
 ) -> None:
@@ -358,32 +330,34 @@ def test_the_preflight_composition_hands_the_engine_flags_to_the_memory_plan(
         model_dir=model,
         dtype_bytes=2,
         cpu_build=False,
-        engine_args=["--quantization", "fp8"],
+        engine_args=["--quantization", "fp8", "--max-model-len", "4096"],
     )
     with pytest.raises(PreflightError) as refused:
         check_resolved_model(
             ParallelLayout(), engine_python="python3", model_dir=model, dtype_bytes=2,
             cpu_build=False, engine_args=[],
         )  # fmt: skip
-    assert plan_of(model).describe() in str(refused.value)
+    assert plan_of(model).describe_weights() in str(refused.value)
 
 
-def test_a_catalog_counts_what_vllm_takes_of_the_gpu(
+def test_the_engine_boots_with_the_plans_share_and_gpu(
     tmp_path: Path, eight_gb_gpu: list[GpuInfo]
 ) -> None:
-    """A catalog's budget counts each engine's GPU memory: vLLM's --gpu-memory-utilization
-    share of the GPU, or, with --kv-cache-memory-bytes, the plan's need."""
-    from loragate.plan.engine_plan import EnginePlan, _gpu_memory_bytes
+    """On GPUs the engine gets the plan's --gpu-memory-utilization and CUDA_VISIBLE_DEVICES,
+    and a catalog counts what the plan says it holds: its CUDA context and its share."""
+    from loragate.plan.engine_plan import EnginePlan, _place_on_gpus
+    from loragate.plan.preflight.problem import PreflightError
     from loragate.settings import Settings
 
     model = bf16_4b(tmp_path / "qwen3-4b")
     plan = EnginePlan(model, json.loads((model / "config.json").read_text()), [], [])
-
-    def held(*engine_args: str) -> int | None:
-        return _gpu_memory_bytes(Settings(model=str(model), engine_args=list(engine_args)), plan)
-
-    total = eight_gb_gpu[0].total_bytes
-    assert held("--quantization", "fp8") == int(0.9 * total)
-    assert held("--quantization", "fp8", "--gpu-memory-utilization", "0.45") == int(0.45 * total)
-    sized = plan_of(model, "--quantization", "fp8", "--kv-cache-memory-bytes", "1g")
-    assert held("--quantization", "fp8", "--kv-cache-memory-bytes", "1g") == sized.need_per_gpu
+    args = ["--quantization", "fp8", "--max-model-len", "4096"]
+    _place_on_gpus(Settings(model=str(model), engine_args=args), plan, None)
+    assert plan.gpu is not None and plan.gpu.fits
+    assert plan.extra_args == ["--gpu-memory-utilization", f"{plan.gpu.share:g}"]
+    assert plan.env == {"CUDA_VISIBLE_DEVICES": "GPU-cccc-3333"}
+    [gpu] = eight_gb_gpu
+    assert plan.memory_bytes == 512 * MiB + int(gpu.total_bytes * plan.gpu.share)
+    with pytest.raises(PreflightError) as refused:
+        _place_on_gpus(Settings(model=str(model)), EnginePlan(model, {}, [], []), None)
+    assert str(refused.value).startswith("cannot start:\n  - qwen3-4b needs 14.4 GiB on GPU 0")

@@ -264,10 +264,11 @@ def test_too_little_memory_per_gpu_names_the_split_and_the_gpu(
     [problem] = raised.value.problems
     assert problem.check == "memory"
     assert problem.message.startswith(
-        f"--tensor-parallel-size 2 cuts the model in {model} (100.0 GiB of weights at 2 bytes "
-        "per parameter) into 2 parts of about 50.0 GiB, so each GPU needs about 56.0 GiB with "
-        f"headroom, but GPU 1 ({H100}) has only 30.0 GiB free"
+        "model needs 50.8 GiB on each of the 2 GPUs --tensor-parallel-size 2 spreads it over "
+        f"(the tightest: GPU 1 ({H100}, 80.0 GiB, 30.0 GiB free)): its part (50.0 GiB) of "
+        "100.0 GiB of bfloat16 weights at 2 bytes per parameter"
     )
+    assert "it needs 2 GPUs with 51.2 GiB free each" in problem.message
 
 
 def test_enough_memory_once_split_over_more_gpus_passes(

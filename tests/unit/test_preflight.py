@@ -17,7 +17,7 @@ import pytest
 from loragate.plan.preflight import run_preflight
 from loragate.plan.preflight.host import find_free_port, port_is_free
 from loragate.plan.preflight.machine import visible_gpu_free_bytes
-from loragate.plan.preflight.memory import model_weight_bytes
+from loragate.plan.preflight.model_files import model_weight_bytes
 from loragate.plan.preflight.problem import PreflightError, PreflightProblem
 
 GiB = 1 << 30
@@ -309,15 +309,17 @@ def test_model_larger_than_host_memory_says_to_pick_a_smaller_model(tmp_path: Pa
     assert message.endswith("pick a smaller or quantized model.")
 
 
-def test_model_larger_than_free_gpu_memory_suggests_tensor_parallelism(
+def test_model_larger_than_free_gpu_memory_names_the_gpu_with_most_room(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fake_nvidia_smi(tmp_path / "bin", monkeypatch, TWO_GPUS)
     model_dir = sparse_model(tmp_path / "model", 8 * GiB)
     [message] = messages(preflight(tmp_path, model_dir=model_dir, device="gpu"), "memory")
-    # One GPU serves a model without tensor parallelism: the first, not the sum of both.
-    assert "but only 1000 MiB of free GPU memory is left on GPU 0 (NVIDIA L4)" in message
-    assert "--tensor-parallel-size" in message
+    # One GPU serves a model without tensor parallelism: the roomiest, not the sum of both;
+    # split over both it fits neither (4 GiB a GPU), so nothing here holds it.
+    assert message.startswith("model needs 8.8 GiB on GPU 1 (NVIDIA A10G, 22.5 GiB, 2.9 GiB free)")
+    assert "vLLM may take at most 2.4 GiB there" in message
+    assert "Nothing here holds it (the most free on a GPU is 2.9 GiB)" in message
 
 
 def test_small_model_passes_the_memory_check(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from loragate.plan.preflight.engine import (
 )
 from loragate.plan.preflight.host import check_cache_dir, check_port
 from loragate.plan.preflight.machine import GpuInfo, GpuInventory, numa_node_count, visible_gpus
-from loragate.plan.preflight.memory import check_gpu_memory, check_memory
+from loragate.plan.preflight.memory import check_memory
 from loragate.plan.preflight.parallel import check_parallel
 from loragate.plan.preflight.problem import PreflightError, PreflightProblem
 
@@ -49,6 +49,8 @@ def run_preflight(
     numa_nodes: Callable[[], int] | None = None,
     env: Mapping[str, str] | None = None,
     engine_args: Sequence[str] | None = None,
+    model_name: str | None = None,
+    lora: tuple[int, int] = (2, 16),
 ) -> list[PreflightProblem]:
     """Every problem found, in the order worth fixing them; empty when the boot can go ahead.
 
@@ -56,7 +58,9 @@ def run_preflight(
     the port check. ``parallel`` is how the engine spreads the model; ``gpu_inventory``
     (default: ``nvidia-smi``), ``numa_nodes`` and ``env`` (default: this process's) are what
     the checks read of the machine, injectable for tests. ``engine_args`` are the user's
-    engine flags: the memory plan reads ``--dtype``, ``--quantization`` and the memory flags.
+    engine flags: the memory plan reads ``--dtype``, ``--quantization`` and the memory flags;
+    ``model_name`` is what a refusal calls the model, ``lora`` the engine's ``--max-loras`` and
+    ``--max-lora-rank`` (their slots take GPU memory).
     """
     if dtype_bytes <= 0:
         raise ValueError(f"dtype_bytes must be positive, not {dtype_bytes}")
@@ -78,6 +82,8 @@ def run_preflight(
         numa_nodes=numa_nodes,
         env=env,
         engine_args=engine_args,
+        model_name=model_name,
+        lora=lora,
     )
     problems.append(check_port(host, port))
     problems.append(check_cache_dir(cache_dir))
@@ -96,6 +102,8 @@ def check_resolved_model(
     cpu_build: bool,
     gpu_inventory: GpuInventory | None = None,
     engine_args: Sequence[str] | None = None,
+    model_name: str | None = None,
+    lora: tuple[int, int] = (2, 16),
 ) -> None:
     """Raise PreflightError when the model, once resolved, cannot run in ``layout`` here: the
     part of ``run_preflight`` that needs the model, for one that was not on disk when the
@@ -110,6 +118,8 @@ def check_resolved_model(
         model_dir=model_dir if runs_on == "gpu" else None,
         dtype_bytes=dtype_bytes,
         engine_args=engine_args,
+        model_name=model_name,
+        lora=lora,
     )
     found = [problem for problem in problems if problem is not None]
     if found:
@@ -127,8 +137,11 @@ def _model_checks(
     numa_nodes: Callable[[], int] | None = None,
     env: Mapping[str, str] | None = None,
     engine_args: Sequence[str] | None = None,
+    model_name: str | None = None,
+    lora: tuple[int, int] = (2, 16),
 ) -> list[PreflightProblem | None]:
-    """The checks that depend on the model and how it is spread: the layout, then memory."""
+    """The checks that depend on the model and how it is spread: the layout, then memory
+    (on GPUs, ``gateway plan``'s plan of this one engine: the same reason word for word)."""
     problems: list[PreflightProblem | None] = list(
         check_parallel(
             layout,
@@ -139,9 +152,21 @@ def _model_checks(
             env=os.environ if env is None else env,
         )
     )
-    if model_dir is not None and runs_on == "gpu":
+    if model_dir is not None and runs_on == "gpu" and len(gpus) >= layout.local_workers:
+        # Imported here: the GPU plan builds on this package's modules.
+        from loragate.plan.gpu.serve_plan import check_gpu_memory
+
         problems.append(
-            check_gpu_memory(model_dir, dtype_bytes, gpus, layout, engine_args=engine_args)
+            check_gpu_memory(
+                model_dir,
+                gpus,
+                layout,
+                engine_args=engine_args,
+                engine_python=engine_python,
+                name=model_name,
+                max_loras=lora[0],
+                max_lora_rank=lora[1],
+            )
         )
     elif model_dir is not None and runs_on == "cpu":
         available = psutil.virtual_memory().available

@@ -9,11 +9,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from xml.etree import ElementTree
+
+import psutil
 
 # Running a short command for a preflight check (the engine's Python, ``nvidia-smi``) without
 # letting a hung or missing program stop the gateway's start.
@@ -59,16 +63,24 @@ def _cpu_ids(text: str) -> set[int]:
 logger = logging.getLogger(__name__)
 
 _NVIDIA_SMI_TIMEOUT = 20.0
+# ``nvidia-smi -L``'s lines: a GPU, then each of its MIG slices beneath it.
+_LISTED_GPU = re.compile(r"^GPU (\d+): .*\(UUID: (GPU-[^)]+)\)")
+_LISTED_MIG = re.compile(r"^\s+MIG (\S+)\s+Device\s+(\d+): \(UUID: (MIG-[^)]+)\)")
+_MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
 class GpuInfo:
-    """One GPU the engine may use, as ``nvidia-smi`` lists it."""
+    """One GPU the engine may use, as ``nvidia-smi`` lists it: a whole GPU, a MIG slice (its
+    own memory, not its GPU's), or a GPU that shares the host's memory (its total and free
+    are the host's)."""
 
-    index: str
+    index: str  # nvidia-smi's index; "GPU:SLICE" for a MIG slice
     name: str
     total_bytes: int
     free_bytes: int
+    uuid: str = field(default="", compare=False)  # what CUDA_VISIBLE_DEVICES may name
+    note: str = field(default="", compare=False)  # "MIG 1g.10gb of GPU 0", "unified memory"
 
 
 GpuInventory = Callable[[], "list[GpuInfo] | None"]
@@ -77,8 +89,11 @@ GpuInventory = Callable[[], "list[GpuInfo] | None"]
 def visible_gpus() -> list[GpuInfo] | None:
     """The NVIDIA GPUs this process may use (``CUDA_VISIBLE_DEVICES``), in CUDA's order.
 
-    None when ``nvidia-smi`` is missing or fails (no driver, no GPU). Read through
-    ``nvidia-smi``, not NVML or torch: the gateway never loads CUDA itself.
+    None when ``nvidia-smi`` is missing or fails (no driver, no GPU), or when a MIG slice's
+    memory cannot be read (never its whole GPU's instead). A GPU in MIG mode is its slices,
+    each with its own memory; one whose memory nvidia-smi gives as ``[N/A]`` (a unified-memory
+    GPU such as GB10) has the host's. Read through ``nvidia-smi``, not NVML or torch: the
+    gateway never loads CUDA itself.
     """
     nvidia_smi = shutil.which("nvidia-smi")
     if nvidia_smi is None:
@@ -94,30 +109,98 @@ def visible_gpus() -> list[GpuInfo] | None:
     if isinstance(result, str) or result.returncode != 0:
         logger.debug("nvidia-smi failed: %s", result if isinstance(result, str) else result.stderr)
         return None
-    gpus: list[tuple[str, GpuInfo]] = []
-    for line in result.stdout.splitlines():
-        fields = [field.strip() for field in line.split(",")]
-        if len(fields) < 5:
-            continue
-        name = ", ".join(fields[2:-2])  # a name could hold a comma; the numbers cannot
-        with contextlib.suppress(ValueError):
-            total, free = (int(float(value)) * 1024 * 1024 for value in fields[-2:])
-            gpus.append((fields[1], GpuInfo(fields[0], name, total, free)))
+    gpus = [gpu for line in result.stdout.splitlines() if (gpu := _csv_gpu(line)) is not None]
     if not gpus:
         return None
+    slices = _mig_slices(nvidia_smi, gpus)
+    if slices is None:
+        return None
+    # CUDA shows a GPU in MIG mode as its slices.
+    listed = [part for gpu in gpus for part in slices.get(gpu.uuid, [gpu])]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
-        return [gpu for _, gpu in gpus]
+        return listed
     chosen: list[GpuInfo] = []
     for token in (token.strip() for token in visible.split(",")):
-        if token.startswith("MIG-"):
-            # MIG slices are not in this listing; do not guess their memory.
-            return [gpu for _, gpu in gpus]
-        match = [gpu for uuid, gpu in gpus if _names_gpu(token, gpu.index, uuid)]
+        match = [gpu for gpu in [*gpus, *listed] if _names_gpu(token, gpu)]
         if not match:
             break  # CUDA ignores everything from the first entry it cannot match
-        chosen.append(match[0])
+        chosen += slices.get(match[0].uuid, [match[0]])
     return chosen
+
+
+def _csv_gpu(line: str) -> GpuInfo | None:
+    fields = [field.strip() for field in line.split(",")]
+    if len(fields) < 5:
+        return None
+    name = ", ".join(fields[2:-2])  # a name could hold a comma; the numbers cannot
+    if all(value.strip("[]").upper() == "N/A" for value in fields[-2:]):
+        # Unified memory (GB10, Jetson): CUDA's free and total are the host's.
+        host = psutil.virtual_memory()
+        return GpuInfo(fields[0], name, host.total, host.available, fields[1], "unified memory")
+    try:
+        total, free = (int(float(value)) * _MIB for value in fields[-2:])
+    except ValueError:
+        return None
+    return GpuInfo(fields[0], name, total, free, fields[1])
+
+
+def _mig_slices(nvidia_smi: str, gpus: list[GpuInfo]) -> dict[str, list[GpuInfo]] | None:
+    """Each MIG-mode GPU's slices (by the GPU's UUID), with their own memory: the slices from
+    ``nvidia-smi -L``, their memory from ``nvidia-smi -q -x``. None when a slice's memory
+    cannot be read."""
+    listing = run_probe([nvidia_smi, "-L"], _NVIDIA_SMI_TIMEOUT)
+    if isinstance(listing, str) or listing.returncode != 0:
+        return {}
+    found: dict[str, list[tuple[str, str, str]]] = {}  # GPU UUID -> (profile, device, UUID)
+    parent = ""
+    for line in listing.stdout.splitlines():
+        if gpu_line := _LISTED_GPU.match(line):
+            parent = gpu_line.group(2)
+        elif (mig_line := _LISTED_MIG.match(line)) and parent:
+            profile, device, uuid = mig_line.groups()
+            found.setdefault(parent, []).append((profile, device, uuid))
+    if not found:
+        return {}
+    query = run_probe([nvidia_smi, "-q", "-x"], _NVIDIA_SMI_TIMEOUT)
+    memory = {} if isinstance(query, str) else _mig_memory(query.stdout)
+    by_uuid = {gpu.uuid: gpu for gpu in gpus}
+    slices: dict[str, list[GpuInfo]] = {}
+    for parent, listed in found.items():
+        whole = by_uuid.get(parent)
+        for profile, device, uuid in listed:
+            sizes = memory.get((parent, device))
+            if whole is None or sizes is None:
+                logger.debug("no memory for MIG slice %s of %s", device, parent)
+                return None
+            slices.setdefault(parent, []).append(
+                GpuInfo(
+                    f"{whole.index}:{device}",
+                    f"{whole.name} MIG {profile}",
+                    *sizes,
+                    uuid,
+                    f"MIG {profile} of GPU {whole.index}",
+                )
+            )
+    return slices
+
+
+def _mig_memory(xml: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """(GPU UUID, MIG device index) -> (total, free) bytes, from ``nvidia-smi -q -x``."""
+    try:
+        root = ElementTree.fromstring(xml)
+    except ElementTree.ParseError:
+        return {}
+    sizes: dict[tuple[str, str], tuple[int, int]] = {}
+    for gpu in root.iter("gpu"):
+        uuid = (gpu.findtext("uuid") or "").strip()
+        for mig in gpu.iter("mig_device"):
+            with contextlib.suppress(ValueError, AttributeError):
+                total = (mig.findtext("fb_memory_usage/total") or "").split()[0]
+                free = (mig.findtext("fb_memory_usage/free") or "").split()[0]
+                key = (uuid, (mig.findtext("index") or "").strip())
+                sizes[key] = (int(float(total)) * _MIB, int(float(free)) * _MIB)
+    return sizes
 
 
 def visible_gpu_free_bytes() -> list[int] | None:
@@ -126,6 +209,9 @@ def visible_gpu_free_bytes() -> list[int] | None:
     return None if gpus is None else [gpu.free_bytes for gpu in gpus]
 
 
-def _names_gpu(token: str, index: str, uuid: str) -> bool:
-    # CUDA_VISIBLE_DEVICES takes indices, full UUIDs or unique UUID prefixes.
-    return token == index or (token.startswith("GPU-") and uuid.startswith(token))
+def _names_gpu(token: str, gpu: GpuInfo) -> bool:
+    # CUDA_VISIBLE_DEVICES takes indices, full UUIDs or unique UUID prefixes (MIG slices by
+    # their MIG- UUID).
+    if token.startswith(("GPU-", "MIG-")):
+        return bool(gpu.uuid) and gpu.uuid.startswith(token)
+    return token == gpu.index
