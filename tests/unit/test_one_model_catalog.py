@@ -1,5 +1,5 @@
-"""One base model is a catalog of one: ``gateway models list|load|unload`` and the residency
-they report work on a gateway started with ``--model``, as they do on a catalog.
+"""One base model is a catalog of one: ``gateway models list|load|unload``, and the residency
+they and ``/v1/models`` report, work on a gateway started with ``--model`` as on a catalog.
 
 A real gateway (in-process) supervising a real engine process: the stand-in engine
 (``tools.bench.fake_engine``, which takes vLLM's command line) on the tiny demo model.
@@ -18,7 +18,7 @@ from loragate.demo.layout import demo_adapter_dir, demo_base_dir
 from loragate.gateway.app import create_app
 from loragate.settings import Settings
 from tests.backend_double import serving
-from tests.unit.test_catalog import ADMIN, STAND_IN, chat, wait_for
+from tests.unit.test_catalog import ADMIN, STAND_IN, chat, residency, wait_for
 
 
 def one_model(tmp_path: Path, demo_dir: Path) -> Settings:
@@ -59,11 +59,13 @@ def test_gateway_models_list_load_unload_on_a_one_model_gateway(
         assert [m["id"] for m in as_json["models"]] == [base]
         assert as_json["models"][0]["keep"] is True
 
+        assert residency(url) == {base: "resident", "pong": "resident"}
         first_pid = engine_pid(url)
         unloaded = models(url, "unload", base)
         assert unloaded.returncode == 0, unloaded.stderr
         assert unloaded.stdout.strip() == f"{base}: cold (stopped)"
         assert engine_pid(url) is None
+        assert residency(url) == {base: "cold", "pong": "cold"}
         # Cold, not down: /health stays 200 so a load balancer keeps sending requests.
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 200 and "next request boots it" in health.json()["reason"]
