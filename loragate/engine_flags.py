@@ -1,10 +1,13 @@
-"""Engine flags after ``--`` that loragate sets itself: refused, with the loragate flag to use.
+"""The vLLM flags loragate's engine command sets, and what a user may give after ``--``.
 
-Everything after ``--`` goes to vLLM untouched, except the flags through which loragate
-drives the engine: passing them there would silently fight the gateway (a second port the
-gateway never uses, a served name it does not route to, adapters outside its manager, a key
-it does not know). Flags that loragate only reads (the parallelism sizes, ``--dtype``) stay
-accepted there.
+``ENGINE_FLAGS`` is the one table of them: ``loragate.supervisor.command`` spells the engine's
+command line from an engine spec through it (a flag missing here cannot be set), and
+``OWNED_FLAGS``, the flags refused after ``--``, are its owned rows. Everything after ``--``
+goes to vLLM untouched, but passing an owned flag there would silently fight the gateway (a
+second port the gateway never uses, a served name it does not route to, adapters outside its
+manager, a key it does not know). A default row is loragate's choice until the user's own
+arguments after ``--`` make theirs (``--dtype``, the memory flags); flags that loragate only
+reads (``--max-model-len``) are not rows.
 """
 
 from __future__ import annotations
@@ -12,25 +15,108 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# Parallelism: `gateway serve` options that are also accepted after `--`, under vLLM's names and
+# short aliases (vllm/engine/arg_utils.py, ParallelConfig group). The preflight reads them
+# wherever they were given.
+PARALLEL_OPTIONS: dict[str, tuple[str, ...]] = {
+    "--tensor-parallel-size": ("-tp",),
+    "--pipeline-parallel-size": ("-pp",),
+    "--data-parallel-size": ("-dp",),
+    "--distributed-executor-backend": (),
+}
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """How loragate treats one vLLM flag of its engine command."""
+
+    # Owned: what to use instead, said when the flag is refused after `--`; None: a default,
+    # left off the command line when the arguments after `--` give it or one of ``yields_to``.
+    instead: str | None = None
+    yields_to: tuple[str, ...] = ()
+    # False: loragate never passes it (it does that flag's work its own way); owned all the same.
+    passed: bool = True
+
+
+def _owned(instead: str, *, passed: bool = True) -> EngineFlag:
+    return EngineFlag(instead=instead, passed=passed)
+
+
+ENGINE_FLAGS: dict[str, EngineFlag] = {
+    # Owned: always loragate's.
+    "--model": _owned(
+        "use --model (before `--`; a catalog model's own `model`): the gateway prepares and checks it"
+    ),
+    "--served-model-name": _owned("use --model-name (or --served-model-name before `--`)"),
+    "--uds": _owned("not needed: the gateway puts the engine on a private socket of its own"),
+    "--enable-lora": _owned("not needed: the gateway always enables LoRA"),
+    "--max-loras": _owned("use --max-loras"),
+    "--max-lora-rank": _owned("use --max-lora-rank"),
+    "--max-cpu-loras": _owned("use --max-cpu-loras"),
+    "--lora-modules": _owned("use --lora NAME=SOURCE (or --lora-modules before `--`)"),
+    "--enable-auto-tool-choice": _owned(
+        "not needed: the gateway passes it with the tool-call parser"
+    ),
+    "--tool-call-parser": _owned(
+        "use --tool-call-parser (before `--`): the gateway checks the name"
+    ),
+    "--allowed-media-domains": _owned(
+        "not needed: the gateway fetches image URLs itself, after its checks"
+    ),
+    # Owned and never passed: the gateway does their work.
+    "--port": _owned(
+        "use --port (the gateway's port; the engine listens on a private socket)", passed=False
+    ),
+    "--host": _owned(
+        "use --host (the gateway's address; the engine listens on a private socket)",
+        passed=False,
+    ),
+    "--api-key": _owned(
+        "use --api-key (the gateway's inference key; the engine gets a per-boot key)",
+        passed=False,
+    ),
+    "--allowed-local-media-path": _owned(
+        "use --allowed-media-dir (or --allowed-local-media-path before `--`)", passed=False
+    ),
+    "--allowed-origins": _owned(
+        "use --cors-origin (or --allowed-origins before `--`)", passed=False
+    ),
+    # Defaults: the gateway logs requests itself (--access-log).
+    "--disable-access-log-for-endpoints": EngineFlag(),
+    "--disable-uvicorn-access-log": EngineFlag(
+        yields_to=("--no-disable-uvicorn-access-log", "--disable-access-log-for-endpoints")
+    ),
+    # Defaults: the `gateway serve` options of the same name (the settings refuse a layout
+    # given both ways, differently), and the executor of the 'single-process' boot mode.
+    **{flag: EngineFlag(yields_to=aliases) for flag, aliases in PARALLEL_OPTIONS.items()},
+    "--otlp-traces-endpoint": EngineFlag(),
+    # Defaults the plan chooses: the model's (the demo's dtype, a Vi run's structured outputs),
+    # the engine's memory (the CPU build's KV cache, a GPU's share), a catalog model's sleep.
+    "--dtype": EngineFlag(),
+    "--structured-outputs-config": EngineFlag(),
+    "--kv-cache-memory-bytes": EngineFlag(),
+    "--gpu-memory-utilization": EngineFlag(),
+    "--enable-sleep-mode": EngineFlag(),
+}
+
 # vLLM flag -> what to do instead: the `gateway serve` option to pass (before `--`), if any.
 OWNED_FLAGS: dict[str, str] = {
-    "--model": "use --model (before `--`; a catalog model's own `model`): the gateway prepares and checks it",
-    "--port": "use --port (the gateway's port; the engine listens on a private socket)",
-    "--host": "use --host (the gateway's address; the engine listens on a private socket)",
-    "--uds": "not needed: the gateway puts the engine on a private socket of its own",
-    "--served-model-name": "use --model-name (or --served-model-name before `--`)",
-    "--api-key": "use --api-key (the gateway's inference key; the engine gets a per-boot key)",
-    "--lora-modules": "use --lora NAME=SOURCE (or --lora-modules before `--`)",
-    "--enable-lora": "not needed: the gateway always enables LoRA",
-    "--max-loras": "use --max-loras",
-    "--max-lora-rank": "use --max-lora-rank",
-    "--max-cpu-loras": "use --max-cpu-loras",
-    "--allowed-local-media-path": "use --allowed-media-dir (or --allowed-local-media-path before `--`)",
-    "--allowed-media-domains": "not needed: the gateway fetches image URLs itself, after its checks",
-    "--allowed-origins": "use --cors-origin (or --allowed-origins before `--`)",
-    "--tool-call-parser": "use --tool-call-parser (before `--`): the gateway checks the name",
-    "--enable-auto-tool-choice": "not needed: the gateway passes it with the tool-call parser",
+    flag: rule.instead for flag, rule in ENGINE_FLAGS.items() if rule.instead is not None
 }
+
+
+def loragate_passes(flag: str, user_args: Iterable[str]) -> bool:
+    """Whether the engine command carries loragate's ``flag`` beside ``user_args`` (those
+    after ``--``): an owned flag always, a default unless they give it (any spelling).
+    ``KeyError`` for a flag that is no row of ``ENGINE_FLAGS``, or one loragate never passes."""
+    rule = ENGINE_FLAGS[flag]
+    if not rule.passed:
+        raise KeyError(f"loragate never passes {flag} to the engine")
+    if rule.instead is not None:
+        return True
+    # ``--flag.key V`` sets one key of a config flag (vLLM's dotted form): it gives the flag too.
+    given = {flag_name(arg).split(".", 1)[0] for arg in user_args}
+    return not given & {flag, *rule.yields_to}
 
 
 def flag_name(arg: str) -> str:
@@ -63,15 +149,6 @@ def check_engine_args(args: Iterable[str], where: str = "engine arguments after 
         )
 
 
-# Parallelism: `gateway serve` options that are also accepted after `--`, under vLLM's names and
-# short aliases (vllm/engine/arg_utils.py, ParallelConfig group). The preflight reads them
-# wherever they were given.
-PARALLEL_OPTIONS: dict[str, tuple[str, ...]] = {
-    "--tensor-parallel-size": ("-tp",),
-    "--pipeline-parallel-size": ("-pp",),
-    "--data-parallel-size": ("-dp",),
-    "--distributed-executor-backend": (),
-}
 # Read, never set, by loragate: they say how much of the world runs on this node.
 _LOCAL_OPTIONS: dict[str, tuple[str, ...]] = {
     "--data-parallel-size-local": ("-dpl",),

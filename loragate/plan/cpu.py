@@ -23,7 +23,8 @@ from typing import Any
 
 import psutil
 
-SWITCH = "LORAGATE_CPU_LORA_OPS"
+from loragate.supervisor.command import CPU_LORA_OPS_ENV
+
 _CHECK_TIMEOUT = 60.0
 
 
@@ -32,7 +33,7 @@ def plugin_problem(python: str, env: dict[str, str]) -> str | None:
     try:
         done = subprocess.run(
             [python, "-m", "loragate.engine_plugin"],
-            env={**env, SWITCH: "1"},
+            env={**env, CPU_LORA_OPS_ENV: "1"},
             capture_output=True,
             text=True,
             timeout=_CHECK_TIMEOUT,

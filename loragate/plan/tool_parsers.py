@@ -306,22 +306,23 @@ def tokenizer_vocabulary(model_dir: Path) -> set[str] | None:
     return tokens
 
 
-def tool_engine_args(
+def tool_call_parser(
     setting: str | None,
     model_dir: Path,
     config: dict[str, Any],
     engine_args: list[str],
     python: str,
-) -> list[str]:
-    """The engine flags for tool calling (logged); none when engine arguments already carry
-    them (the CLI refuses them after ``--``; a config file or ``create_server`` may not)."""
+) -> str | None:
+    """The parser the engine starts with (logged; it comes with ``--enable-auto-tool-choice``);
+    None when engine arguments already name one (the CLI refuses them after ``--``; a config
+    file or ``create_server`` may not) or with ``--tool-call-parser none``."""
     parser: str | None
     if any(arg.startswith("--tool-call-parser") for arg in engine_args):
         log.info("tool calling: as the engine arguments after -- say")
-        return []
+        return None
     if setting == "none":
         log.info("tool calling: off (--tool-call-parser none)")
-        return []
+        return None
     if setting is not None:
         parser, why = check_tool_parser(setting, python, engine_args), "--tool-call-parser"
     else:
@@ -331,4 +332,4 @@ def tool_engine_args(
         if parser is None:
             parser, why = FALLBACK_PARSER, f"the fallback: {why}; --tool-call-parser NAME to choose"
     log.info("tool calling: vLLM's %r tool-call parser (%s)", parser, why)
-    return ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+    return parser

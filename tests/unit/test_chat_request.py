@@ -426,11 +426,12 @@ async def test_image_urls_naming_this_machine_or_a_private_network_are_refused(
 
 
 def test_the_engine_fetches_no_url_and_has_the_gateway_limits() -> None:
-    assert media.engine_media_env(20 * 1024 * 1024) == {
-        "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB": "20",
-        "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
-    }
-    assert media.engine_media_env(1000)["VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB"] == "1"
+    from loragate.supervisor.command import EngineSpec, engine_env
+
+    for cap, megabytes in ((20 * 1024 * 1024, "20"), (1000, "1")):
+        env = engine_env(EngineSpec("m", "m", max_loras=1, max_lora_rank=8, max_media_bytes=cap))
+        assert env["VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB"] == megabytes
+        assert env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"
 
 
 async def test_vi_sdk_image_parts_become_image_url_parts(settings: Settings) -> None:

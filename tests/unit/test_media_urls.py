@@ -318,8 +318,12 @@ async def test_a_url_that_trickles_is_cut_off_at_the_fetch_deadline(
 
 
 def test_the_engine_is_told_to_fetch_no_url_itself() -> None:
-    assert media.ENGINE_MEDIA_ARGS == ["--allowed-media-domains", "loragate.invalid"]
-    assert media.engine_media_env(20 * 1024 * 1024)["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"
+    from loragate.supervisor.command import EngineSpec, engine_argv, engine_env
+
+    spec = EngineSpec("m", "m", max_loras=1, max_lora_rank=8, socket_path=Path("/tmp/e.sock"))
+    argv = engine_argv(spec)
+    assert argv[argv.index("--allowed-media-domains") + 1] == "loragate.invalid"
+    assert engine_env(spec)["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"
 
 
 # ----- defect 2: every part type the engine could fetch ---------------------------------------

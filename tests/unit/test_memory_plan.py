@@ -340,24 +340,28 @@ def test_the_preflight_composition_hands_the_engine_flags_to_the_memory_plan(
     assert plan_of(model).describe_weights() in str(refused.value)
 
 
-def test_the_engine_boots_with_the_plans_share_and_gpu(
-    tmp_path: Path, eight_gb_gpu: list[GpuInfo]
+async def test_the_engine_boots_with_the_plans_share_and_gpu(
+    tmp_path: Path, eight_gb_gpu: list[GpuInfo], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On GPUs the engine gets the plan's --gpu-memory-utilization and CUDA_VISIBLE_DEVICES,
     and a catalog counts what the plan says it holds: its CUDA context and its share."""
-    from loragate.plan.engine_plan import EnginePlan, _place_on_gpus
+    from loragate.plan.engine_plan import plan_engine
     from loragate.plan.preflight.problem import PreflightError
     from loragate.settings import Settings
+    from loragate.supervisor.command import engine_argv, engine_env
 
+    monkeypatch.setattr("loragate.plan.engine_plan.is_cpu_build", lambda python: False)
     model = bf16_4b(tmp_path / "qwen3-4b")
-    plan = EnginePlan(model, json.loads((model / "config.json").read_text()), [], [])
     args = ["--quantization", "fp8", "--max-model-len", "4096"]
-    _place_on_gpus(Settings(model=str(model), engine_args=args), plan, None)
-    assert plan.gpu is not None and plan.gpu.fits
-    assert plan.extra_args == ["--gpu-memory-utilization", f"{plan.gpu.share:g}"]
-    assert plan.env == {"CUDA_VISIBLE_DEVICES": "GPU-cccc-3333"}
+    settings = Settings(model=str(model), engine_args=args, tool_call_parser="none")
+    plan = await plan_engine(settings, tmp_path / "cache")
+    assert plan.gpu is not None and plan.gpu.fits and plan.gpu.share is not None
+    spec = plan.spec.for_boot(tmp_path / "engine.sock", "key", {})
+    argv = engine_argv(spec)
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == f"{plan.gpu.share:g}"
+    assert engine_env(spec)["CUDA_VISIBLE_DEVICES"] == "GPU-cccc-3333"
     [gpu] = eight_gb_gpu
     assert plan.memory_bytes == 512 * MiB + int(gpu.total_bytes * plan.gpu.share)
     with pytest.raises(PreflightError) as refused:
-        _place_on_gpus(Settings(model=str(model)), EnginePlan(model, {}, [], []), None)
+        await plan_engine(Settings(model=str(model), tool_call_parser="none"), tmp_path / "cache")
     assert str(refused.value).startswith("cannot start:\n  - qwen3-4b needs 14.4 GiB on GPU 0")

@@ -21,7 +21,7 @@ from loragate.plan.tool_parsers import (
     check_tool_parser,
     pick_tool_parser,
     tokenizer_vocabulary,
-    tool_engine_args,
+    tool_call_parser,
 )
 from tests.backend_double import free_port
 
@@ -54,8 +54,7 @@ def test_a_known_family_with_a_tools_template_gets_its_parser(tmp_path: Path) ->
     parser, why = pick_tool_parser(directory, config)
     assert parser == "hermes"
     assert "qwen2" in why
-    args = tool_engine_args(None, directory, config, [], sys.executable)
-    assert args == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    assert tool_call_parser(None, directory, config, [], sys.executable) == "hermes"
 
 
 def test_pythonic_without_a_tools_template_or_a_known_family(tmp_path: Path) -> None:
@@ -64,23 +63,15 @@ def test_pythonic_without_a_tools_template_or_a_known_family(tmp_path: Path) -> 
     directory, config = model_dir(tmp_path, "mystery", TOOLS_TEMPLATE)
     assert pick_tool_parser(directory, config)[0] is None
     # vLLM 0.32 wants a parser even for a named tool_choice: pythonic fits any model.
-    assert tool_engine_args(None, directory, config, [], sys.executable) == [
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        FALLBACK_PARSER,
-    ]
+    assert tool_call_parser(None, directory, config, [], sys.executable) == FALLBACK_PARSER
 
 
 def test_the_flag_wins_and_the_users_engine_args_win_over_it(tmp_path: Path) -> None:
     directory, config = model_dir(tmp_path, "llama", None)
-    assert tool_engine_args("pythonic", directory, config, [], sys.executable) == [
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "pythonic",
-    ]
+    assert tool_call_parser("pythonic", directory, config, [], sys.executable) == "pythonic"
     own = ["--enable-auto-tool-choice", "--tool-call-parser=hermes"]
-    assert tool_engine_args("pythonic", directory, config, own, sys.executable) == []
-    assert tool_engine_args("none", directory, config, [], sys.executable) == []
+    assert tool_call_parser("pythonic", directory, config, own, sys.executable) is None
+    assert tool_call_parser("none", directory, config, [], sys.executable) is None
 
 
 def test_an_unknown_parser_name_is_refused_with_the_valid_ones() -> None:

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -206,5 +207,5 @@ def test_the_engine_gets_the_same_endpoint() -> None:
     )
     argv = engine_argv(spec)
     assert argv[argv.index("--otlp-traces-endpoint") + 1] == "http://collector:4318/v1/traces"
-    spec.extra_args = ["--otlp_traces_endpoint=http://elsewhere:4317"]
-    assert engine_argv(spec).count("--otlp-traces-endpoint") == 0
+    theirs = replace(spec, extra_args=["--otlp_traces_endpoint=http://elsewhere:4317"])
+    assert engine_argv(theirs).count("--otlp-traces-endpoint") == 0

@@ -38,9 +38,9 @@ from loragate.gateway.proxy import (
     ResendBudget,
     UpstreamUnreachable,
 )
-from loragate.gateway.requests.images.resolve import ENGINE_MEDIA_ARGS, engine_media_env
 from loragate.gateway.requests.presets import parameter_rules, shaped_body
-from loragate.plan.engine_plan import plan_engine
+from loragate.plan.engine_plan import EnginePlan, plan_engine
+from loragate.plan.gpu.placement import Placement
 from loragate.plan.preflight.problem import PreflightError
 from loragate.settings import Settings
 from loragate.supervisor.client import EngineClient
@@ -77,18 +77,22 @@ class SupervisedEngineBackend(AdapterAdmin):
         )
         self.manager: AdapterManager | None = None
         self.slots: AdapterSlots | None = None
+        # What the engine runs, decided once prepared (``plan_engine``); boots add their own.
+        self.plan: EnginePlan | None = None
         self.model_dir: Path | None = None
         self.zero_adapter = False
-        # What loragate chose for the engine's memory, when the user did not (CPU build).
+        # What loragate chose for the engine's memory, when the user did not.
         self.memory_plan: str | None = None
         # Whether the engine runs loragate's fixed CPU LoRA ops (loragate.engine_plugin).
         self.cpu_lora_ops = False
+        # A catalog's placement of this model on its GPUs, set before start (None: planned
+        # alone on the visible GPUs), and what the planned engine holds of each GPU.
+        self.gpu_placement: Placement | None = None
+        self.gpu_held: dict[int, int] | None = None
         self._lock = GatewayLock(self.cache_dir)
         self._prepared = asyncio.Event()
         self._prepare_error: str | None = None
         self._bootstrap_task: asyncio.Task[None] | None = None
-        self._extra_engine_args: list[str] = []
-        self._engine_env: dict[str, str] = {}
         # Requests sent to the engine and not yet answered, and when the last one ended: what a
         # catalog reads to unload only an idle engine, the least recently used first.
         self.in_flight = 0
@@ -228,81 +232,40 @@ class SupervisedEngineBackend(AdapterAdmin):
 
     async def _prepare(self) -> None:
         settings = self.settings
-        plan = await plan_engine(settings, self.cache_dir)
-        self.model_dir = model_dir = plan.model_dir
-        base_config = plan.base_config
-        self._extra_engine_args, self._engine_env = plan.extra_args, plan.env
-        self.memory_plan, self.cpu_lora_ops = plan.memory_plan, plan.cpu_lora_ops
-        self.memory_bytes = plan.memory_bytes
-        if self.sleep_mode and plan.cpu_build and settings.engine_command is None:
-            log.warning(
-                "model %s: sleep mode is for GPU builds (vLLM's CPU build has none): "
-                "unloading it stops its engine",
-                self.base_name,
-            )
-            self.sleep_mode = False
-        boot_loras = plan.boot_loras
-        self.zero_adapter = settings.base_routing == "zero-adapter" or (
-            settings.base_routing == "auto" and plan.cpu_build and not self.cpu_lora_ops
+        self.plan = plan = await plan_engine(
+            settings, self.cache_dir, self.gpu_placement, sleep_mode=self.sleep_mode
         )
+        self.model_dir, self.sleep_mode = plan.model_dir, plan.spec.sleep_mode
+        self.zero_adapter, self.cpu_lora_ops = plan.zero_adapter, plan.cpu_lora_ops
+        self.memory_plan, self.memory_bytes = plan.memory_plan, plan.memory_bytes
+        self.gpu_held = plan.gpu.held_bytes if plan.gpu is not None else None
         # The same CPU-build guard: never more distinct adapters in flight than engine slots.
-        self.slots = AdapterSlots(settings.max_loras + 1) if self.zero_adapter else None
+        self.slots = AdapterSlots(plan.spec.max_loras) if plan.zero_adapter else None
         self.manager = adapter_manager_for(
             settings,
             self.cache_dir,
-            model_dir,
-            base_config,
+            plan.model_dir,
+            plan.base_config,
             engine=self.engine,
             supervisor=self.supervisor,
             base_name=self.base_name,
-            zero_adapter=self.zero_adapter,
+            zero_adapter=plan.zero_adapter,
             preset_rules=parameter_rules,
         )
         self.manager.declare_while_stopped = self.fleet_part is not None  # a catalog's model
         self.fleet = fleet_reconciler_for(settings, self.manager, self.fleet_part)
-        if self.fleet is not None:
-            # The manifest names every adapter (the demo's and a Vi run's included).
-            boot_loras = []
-        await self.manager.declare_all(boot_loras)
+        # With a manifest, it names every adapter (the demo's and a Vi run's included).
+        await self.manager.declare_all([] if self.fleet is not None else list(plan.boot_loras))
         self.manager.follower.sync()
         self.manager.store_watch.start()
         if self.fleet is not None:
             self.fleet.start()
 
     def _engine_spec(self, socket_path: Path, api_key: str) -> EngineSpec:
-        assert self.model_dir is not None and self.manager is not None
-        settings = self.settings
-        return EngineSpec(
-            model=str(self.model_dir),
-            served_name=self.base_name,
-            socket_path=socket_path,
-            api_key=api_key,
-            # One more slot for the zero adapter, so base requests batch with N adapters.
-            max_loras=settings.max_loras + (1 if self.zero_adapter else 0),
-            max_lora_rank=settings.max_lora_rank,
-            max_cpu_loras=settings.max_cpu_loras,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            pipeline_parallel_size=settings.pipeline_parallel_size,
-            data_parallel_size=settings.data_parallel_size,
-            distributed_executor_backend=settings.distributed_executor_backend,
-            boot_mode=settings.engine_boot_mode,
-            lora_modules=self.manager.boot_modules(),
-            extra_args=self._extra_engine_args
-            + ENGINE_MEDIA_ARGS
-            + (["--enable-sleep-mode"] if self.sleep_mode else [])
-            + list(settings.engine_args),
-            python=settings.engine_python,
-            command=settings.engine_command,
-            log_to_stderr=settings.engine_log_to_stderr,
-            log_max_bytes=settings.engine_log_max_bytes,
-            otlp_traces_endpoint=settings.otlp_traces_endpoint,
-            env={
-                **engine_media_env(settings.max_image_bytes),
-                **self._engine_env,
-                # vLLM serves /sleep and /wake_up only in its development mode.
-                **({"VLLM_SERVER_DEV_MODE": "1"} if self.sleep_mode else {}),
-            },
-        )
+        """The plan's engine spec for one boot: on ``socket_path``, with ``api_key`` and the
+        adapters the manager boots with now."""
+        assert self.plan is not None and self.manager is not None
+        return self.plan.spec.for_boot(socket_path, api_key, self.manager.boot_modules())
 
     # ----- what the routes ask --------------------------------------------------------------
 

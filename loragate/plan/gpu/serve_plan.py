@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from loragate.engine_flags import ParallelLayout, parallel_layout
+from loragate.plan.engine_spec import model_settings
 from loragate.plan.gpu.need import EngineAsk
 from loragate.plan.gpu.placement import GpuPlan, Placement, plan_gpus
 from loragate.plan.gpu.vllm_rules import engine_rules
@@ -112,7 +113,7 @@ def engine_asks(settings: Settings, *, fetch: bool = True) -> list[EngineAsk]:
         ]
     asks = []
     for model_id, entry in settings.models.items():
-        args = [*settings.engine_args, *entry.engine_args]
+        args = model_settings(settings, model_id, entry).engine_args
         ask = _ask(settings, model_id, entry.model, args, cache_dir, fetch=fetch)
         devices = tuple(entry.devices) if entry.devices is not None else None
         asks.append(

@@ -3,9 +3,10 @@ raw base64 (a data URI without its ``data:`` prefix, as Vi's ``source`` takes it
 
 Every image reaches the engine as a data URI, checked here first (format, size, pixel count);
 the engine never fetches a URL from a request (it is started with an allowed-media domain that
-cannot exist, see ``ENGINE_MEDIA_ARGS``). Local files are read by ``media_files``, URLs
-fetched by ``image_fetch`` (private addresses refused, see ``loragate.http.addresses``). Decoding runs
-in a small thread pool of its own (``media_pools``), never on the event loop.
+cannot exist: ``loragate.supervisor.command.NO_MEDIA_DOMAIN``). Local files are read by
+``media_files``, URLs fetched by ``image_fetch`` (private addresses refused, see
+``loragate.http.addresses``). Decoding runs in a small thread pool of its own
+(``media_pools``), never on the event loop.
 """
 
 from __future__ import annotations
@@ -36,19 +37,6 @@ _SIGNATURES = {
     b"BM": "bmp",
 }
 _WHITESPACE = b" \t\r\n"
-
-# The engine may fetch only from this domain, which cannot exist (RFC 2606 reserves .invalid):
-# every image it gets from the gateway is a data URI, and no URL can slip past the gateway.
-ENGINE_MEDIA_ARGS = ["--allowed-media-domains", "loragate.invalid"]
-
-
-def engine_media_env(max_image_bytes: int) -> dict[str, str]:
-    """The engine's own limits, should a URL ever reach it despite ``ENGINE_MEDIA_ARGS``: the
-    gateway's size cap, and no redirects."""
-    return {
-        "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB": str(max(1, -(-max_image_bytes // (1 << 20)))),
-        "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
-    }
 
 
 class MediaPolicy:
