@@ -6,6 +6,8 @@ the engine without booting one.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 
@@ -26,7 +28,11 @@ class QuietEngine:
 
 
 class ServingSupervisor:
-    """A supervisor whose engine is always serving."""
+    """A supervisor whose engine is always serving, and awake."""
 
     async def wait_until_serving(self, timeout: float) -> None:
         return None
+
+    @contextlib.asynccontextmanager
+    async def kept_awake(self) -> AsyncIterator[bool]:
+        yield True

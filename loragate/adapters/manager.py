@@ -100,8 +100,8 @@ class AdapterManager:
         self.failures: dict[str, str] = {}
         self.counters: defaultdict[str, int] = defaultdict(int)
         self._supervisor = supervisor
-        # A catalog's model: while its engine is stopped (cold), a new version is stored and
-        # recorded, and loaded by the engine's next boot, instead of waiting for it to run.
+        # A catalog's model: while its engine is stopped or stopping (cold), a new version is
+        # stored and recorded, and loaded by the engine's next boot, instead of waiting for it.
         self.declare_while_stopped = False
         self.engine_versions = EngineVersions(
             store=store,
@@ -451,9 +451,7 @@ class AdapterManager:
         eid = engine_id(name, digest)
         stored = await self.engine_versions.verified(digest, hash_files=not prepared.verified)
         newly_loaded = eid not in self.engine_versions.loaded
-        cold = self.declare_while_stopped and self._supervisor.state == EngineState.STOPPED
-        if not cold:
-            await self.engine_versions.load(eid, stored.path)
+        cold = await self._load_unless_cold(eid, stored.path)
         previous_entry = self.manifest.entries.get(name)
         old_eid = self.routes.get(name) if name in self.routes.public_names() else None
         if previous_entry is not None and previous_entry.active != digest:
@@ -488,6 +486,28 @@ class AdapterManager:
         # Store bookkeeping reads and writes files (eviction: every version's metadata).
         await asyncio.to_thread(self.store.touch, stored)
         await asyncio.to_thread(self.store.evict, self.manifest.versions_in_use())
+
+    async def _load_unless_cold(self, eid: str, path: Path) -> bool:
+        """Load ``eid`` for a swap; True, loading nothing, when a catalog model's engine is
+        stopped or stopping (cold: its next boot loads what the manifest names).
+
+        Never into an asleep engine (a catalog model's, by vLLM's sleep mode): the LoRA slots
+        live in the weights pool that sleep unmapped (``EngineSupervisor.asleep`` cites vLLM),
+        so a load would crash the engine or be overwritten by the wake. The load waits for the
+        wake (a request for the model wakes it), or for the engine to stop (then it is cold),
+        and a sleep waits for a load under way. A change from ``follow``, the store watch or the
+        adapters manifest waits so; the admin API wakes the model first, as it boots a cold
+        one."""
+        supervisor = self._supervisor
+        cold = (EngineState.STOPPED, EngineState.STOPPING)
+        while not (self.declare_while_stopped and supervisor.state in cold):
+            async with supervisor.kept_awake() as awake:
+                if awake:
+                    await self.engine_versions.load(eid, path)
+                    return False
+            log.info("adapter %s waits for its engine's wake to be loaded", eid)
+            await supervisor.until_awake()
+        return True
 
 
 class _Unwatched:

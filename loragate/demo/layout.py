@@ -139,9 +139,20 @@ SMOLLM_ADAPTERS = (
     BehaviourAdapter("signed", f"every answer ends with the line {SIGNATURE!r}"),
 )
 
-# What the engine needs for the real demo, after `--`: the weights are float32 on disk, and the
-# builder verified the adapters in float32.
+# What the engine needs for the real demo on the CPU build, after `--`: the weights are float32
+# on disk, and the builder verified the adapters in float32 (it dequantizes to this dtype).
 SMOLLM_ENGINE_ARGS = ("--dtype", "float32")
+# On a GPU the demo is served as a user's float32 checkpoint is: vLLM's `auto` casts it to
+# bfloat16 (float16 below compute capability 8.0, where an explicit bfloat16 is refused), and
+# the engine takes the attention backends a user's model takes; float32 would run Triton
+# attention, which no user model does. The adapters keep their behaviours in both (every check
+# prompt, greedy, through transformers; the acceptance run checks it on the engine).
+SMOLLM_GPU_ENGINE_ARGS = ("--dtype", "auto")
+
+
+def smollm_engine_args(cpu_build: bool) -> tuple[str, ...]:
+    """The real demo's engine arguments for vLLM's CPU build, or for its CUDA build."""
+    return SMOLLM_ENGINE_ARGS if cpu_build else SMOLLM_GPU_ENGINE_ARGS
 
 
 def demo_behaviours(text: str) -> list[str]:
@@ -182,14 +193,14 @@ def default_smollm_demo_dir() -> Path:
     return Path(override) if override else default_cache_dir() / "demo-smollm2"
 
 
-def smollm_serve_args(demo_dir: Path) -> list[str]:
+def smollm_serve_args(demo_dir: Path, cpu_build: bool = True) -> list[str]:
     """`gateway serve` arguments that serve the real demo in ``demo_dir`` (engine args last)."""
     loras = [f"{a.name}={demo_adapter_dir(demo_dir, a.name)}" for a in SMOLLM_ADAPTERS]
     return [
         "--model", str(demo_base_dir(demo_dir)),
         "--model-name", SMOLLM_DEMO_MODEL_NAME,
         *(arg for lora in loras for arg in ("--lora", lora)),
-        "--", *SMOLLM_ENGINE_ARGS,
+        "--", *smollm_engine_args(cpu_build),
     ]  # fmt: skip
 
 

@@ -2,7 +2,10 @@
 
 Its whole life reads top to bottom in ``_life``: boot (starting -> ready), watch (ready <->
 unhealthy) until the process exits or stops answering, then restart with backoff, or give up
-(failed) after ``crash_loop_limit`` failures within ``crash_loop_window``. Every transition
+(failed) after ``crash_loop_limit`` failures within ``crash_loop_window``. A catalog's engine
+may be put to sleep (vLLM's sleep mode) while ready: asleep, it is probed with /health alone,
+never killed for its silence, takes no adapter call, and when it exits it is stopped, not
+restarted (a restart would come up awake, outside the catalog's room check). Every transition
 goes through ``_transition`` (checked against ``states.TRANSITIONS``) and is logged with its
 reason; all of them are in this file, with what the life decides by: the endpoint a booted
 engine listens on, the health probe, the boot's progress reports, the backoff and the
@@ -21,7 +24,7 @@ import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,8 @@ from loragate.supervisor.unix_socket import EngineSocket, EngineSocketError
 # URL without the socket fails to resolve "engine" instead of reaching some TCP port.
 ENGINE_BASE_URL = "http://engine"
 
+log = logging.getLogger("loragate.supervisor")
+
 
 @dataclass(frozen=True)
 class EngineEndpoint:
@@ -71,7 +76,6 @@ class EngineEndpoint:
 
 # The engine's health probe: GET /health over its socket, and optionally a one-token
 # completion, which also catches an engine whose API answers while its core is stuck.
-log = logging.getLogger("loragate.supervisor")
 
 
 async def probe_engine(
@@ -107,7 +111,6 @@ async def probe_engine(
 # start-up of several minutes says what it is doing (in the log, in /health, and as the message
 # of the gateway's start progress record in its ``boot`` stage, which systemd's ``STATUS=``
 # shows).
-log = logging.getLogger("loragate.supervisor")
 
 BOOT_REPORT_SECONDS = 15.0  # how often a boot says how far it has come
 
@@ -139,8 +142,6 @@ def restart_delay(failures: int, base: float, cap: float) -> float:
     delay = min(base * 2 ** (failures - 1), cap)
     return delay * random.uniform(0.8, 1.2)
 
-
-log = logging.getLogger("loragate.supervisor")
 
 SpecBuilder = Callable[[Path, str], EngineSpec]
 StateListener = Callable[[EngineState, str], None]
@@ -189,6 +190,10 @@ class EngineSupervisor:
         self._ready_since: float | None = None
         self.waiting = 0
         self.queue_size = 256
+        # vLLM's sleep mode: asleep from just before /sleep is sent until /wake_up answered.
+        self._asleep = False
+        self._sleep_changed = asyncio.Event()
+        self._adapter_calls = 0  # under way in ``kept_awake``: a sleep waits for them
 
     # ----- public interface -------------------------------------------------------------
 
@@ -303,15 +308,62 @@ class EngineSupervisor:
     def info(self, log_lines: int = 40) -> dict[str, Any]:
         return {**self.snapshot().as_dict(), "log_tail": tail_lines(self.log_path, log_lines)}
 
+    # ----- vLLM's sleep mode (a catalog's engine) ----------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        """Asleep, vLLM's /health answers (entrypoints/serve/instrumentator/health.py:22-33,
+        v1/engine/async_llm.py:1089-1092), a generation waits for the wake in the paused
+        scheduler (v1/engine/core.py:921-953), and a LoRA load writes slots allocated in the
+        weights pool sleep unmapped (v1/worker/gpu_worker.py:587-593, gpu_model_runner.py:
+        5066-5069, lora/model_manager.py:346-393)."""
+        return self._asleep
+
+    async def falling_asleep(self) -> None:
+        """Mark the engine asleep, before /sleep is sent: from now on it is probed with /health
+        alone and no adapter call starts (``kept_awake``); returns once those under way ended."""
+        self._set_asleep(True)
+        while self._adapter_calls:
+            await self._sleep_changed.wait()
+
+    def woke(self) -> None:
+        """The engine answered /wake_up: probed, and adapter calls taken, as before."""
+        self._set_asleep(False)
+
+    @contextlib.asynccontextmanager
+    async def kept_awake(self) -> AsyncIterator[bool]:
+        """For an adapter call: False when the engine is asleep (nothing may be loaded into
+        it); else True, and a sleep waits for the block to end."""
+        awake = not self._asleep
+        self._adapter_calls += awake
+        try:
+            yield awake
+        finally:
+            self._adapter_calls -= awake
+            self._set_asleep(self._asleep)  # a sleep waiting for this call goes on
+
+    async def until_awake(self) -> None:
+        """Return once the engine is not asleep: woken, or stopped (then cold)."""
+        while self._asleep:
+            await self._sleep_changed.wait()
+
+    def _set_asleep(self, asleep: bool) -> None:
+        if asleep != self._asleep:
+            log.info("engine %s", "going to sleep" if asleep else "awake")
+        self._asleep = asleep
+        changed, self._sleep_changed = self._sleep_changed, asyncio.Event()
+        changed.set()
+
     # ----- the life cycle ----------------------------------------------------------------
 
     async def _life(self) -> None:
-        # Supervision never ends by itself: whatever goes wrong ends in `failed`, from which
-        # an admin restart always starts a new boot.
+        # Supervision ends only when an asleep engine exits (stopped); whatever goes wrong
+        # ends in `failed`, from which an admin restart always starts a new boot.
         reason = "gateway started"
         while True:
             try:
                 await self._supervise(reason)
+                return  # an asleep engine exited: stopped, until started again
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug here must not leave a dead supervisor claiming "ready"
@@ -326,6 +378,9 @@ class EngineSupervisor:
             try:
                 await self._boot(reason)
                 reason = await self._watch()
+                if self._asleep:
+                    await self._stop_asleep(reason)
+                    return
             except BootFailed as failure:
                 if failure.permanent and not self._controlled_restart:
                     await self._give_up(
@@ -344,6 +399,18 @@ class EngineSupervisor:
                 continue
             if await self._after_failure(reason):
                 reason = "restart requested by an admin"
+
+    async def _stop_asleep(self, reason: str) -> None:
+        """An asleep engine that exited (or an admin restarted) is stopped: restarted, it would
+        come up awake, holding its memory outside the catalog's room check."""
+        self._controlled_restart = False
+        self._ready_since = None
+        self._transition(EngineState.STOPPING, f"{reason} while asleep")
+        await self._terminate(graceful=True)  # what of its process group is left
+        self._socket.remove()
+        self._transition(
+            EngineState.STOPPED, f"{reason} while asleep; stopped: the next request boots it"
+        )
 
     async def _give_up(self, reason: str) -> None:
         """Sit in `failed` with ``reason`` until an admin asks for a restart."""
@@ -424,6 +491,11 @@ class EngineSupervisor:
             failures += 1
             if exited.done():
                 continue
+            if self._asleep:
+                # Never killed asleep (a restart would come up awake): a dead engine core ends
+                # the process (vLLM's API server exits after it), and a failed wake stops it.
+                failures = 0
+                continue
             if failures >= self.timings.probe_failures:
                 if not self._process.engine_alive():
                     # The engine itself is gone and its launcher is still ending what it left:
@@ -473,7 +545,8 @@ class EngineSupervisor:
         await self._process.terminate(graceful, self.timings.stop_timeout)
 
     async def _probe(self) -> bool:
-        deep = self.timings.deep_probe and self.state in SERVING
+        # Asleep, a generation waits for the wake (see ``asleep``): /health alone.
+        deep = self.timings.deep_probe and self.state in SERVING and not self._asleep
         return await probe_engine(
             self.endpoint,
             self.timings.probe_timeout,
@@ -488,6 +561,8 @@ class EngineSupervisor:
 
     def _force_state(self, target: EngineState, reason: str) -> None:
         log.info("engine %s -> %s: %s", self.state, target, reason)
+        if target not in SERVING and self._asleep:
+            self._set_asleep(False)  # stopping, or gone: a new boot comes up awake
         self.state = target
         self.reason = reason
         self.state_since = time.time()

@@ -323,8 +323,9 @@ def test_sleep_mode_unloads_by_sleeping_and_loads_by_waking_the_same_engine(
 ) -> None:
     """With ``sleep: true`` an eviction is vLLM's /sleep (the engine process stays) and the next
     request is a /wake_up, not a boot. The stand-in engine serves the sleep routes as vLLM does
-    (only with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1) and refuses to generate while
-    asleep, so an answer proves the wake came first."""
+    (only with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1) and, as vLLM, holds a generation
+    that comes while asleep until the wake, saying so in its log: none was held, so the wake
+    came first."""
     base = str(demo_base_dir(demo_dir))
     models = {"alpha": {"model": base, "sleep": True}, "beta": {"model": base, "sleep": True}}
     settings = catalog_settings(tmp_path, demo_dir, models=models, max_loaded_models=1)
@@ -346,6 +347,8 @@ def test_sleep_mode_unloads_by_sleeping_and_loads_by_waking_the_same_engine(
         assert engines["alpha"]["pid"] == alpha_pid and engines["alpha"]["restarts"] == 0
         argv = Path(f"/proc/{alpha_pid}/cmdline").read_bytes().split(b"\0")
         assert b"--enable-sleep-mode" in argv
+        log = tmp_path / "cache" / "models" / "alpha" / "logs" / "engine.log"
+        assert "holding a generation" not in log.read_text()
         unloaded = httpx.post(f"{url}/admin/models/beta/unload", headers=ADMIN, timeout=60)
         assert unloaded.json()["residency"] == "cold"  # by hand: stopped, not asleep
 

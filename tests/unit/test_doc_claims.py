@@ -164,6 +164,7 @@ NOT_OURS = {
     "--runner": "vLLM's, passed after `--` for a pooling model (docs/api.md)",
     "--convert": "vLLM's, passed after `--` for a pooling model (docs/api.md)",
     "--trust-request-chat-template": "vLLM's, passed after `--` (docs/adapters.md)",
+    "--sleep-mode-offload-cudagraph": "vLLM's, passed after `--` (docs/catalog.md's sleep mode)",
     "--hf-token": "vLLM's: a secret engine flag the logs hide (docs/security.md)",
     "--add-host": "docker run's: host.docker.internal on Linux (docs/clients.md)",
     "--sleep": "scripts/catalog_bench.py's, named alone in docs/benchmarks.md",

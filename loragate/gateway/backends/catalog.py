@@ -8,9 +8,12 @@ request for a cold model makes room first, as ``loragate.serving.eviction`` deci
 recently used idle engines give way; never one with requests in flight or waiting: those drain
 first, within the queue deadline; never one marked ``keep``), then the model boots while its
 requests wait in its engine's queue as during a restart (bounded, with the queue deadline and
-``Retry-After``). An engine idle for its ``ttl`` is unloaded by a periodic pass that a failed
-unload does not end; stopping the catalog stops every engine, whatever failed before. An
-adapter name no model has registered is looked for where the operator said
+``Retry-After``). On GPUs the catalog's GPU plan (``loragate.plan.gpu``) places every model,
+and room is counted per GPU, never summed; a model with ``sleep`` gives way by vLLM's sleep
+mode and is woken for its next request (``loragate.serving.sleep``: what it still holds, and
+why nothing is loaded into it asleep). An engine idle for its ``ttl`` is unloaded by a periodic
+pass that a failed unload does not end; stopping the catalog stops every engine, whatever
+failed before. An adapter name no model has registered is looked for where the operator said
 (``loragate.serving.adapter_search``) and added to the model that names the place.
 """
 
@@ -31,11 +34,15 @@ from loragate.gateway.backends.engine_metrics import merge_catalog_metrics
 from loragate.gateway.backends.supervised import SupervisedEngineBackend
 from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.periodic import PeriodicTask
+from loragate.plan.engine_spec import model_settings
 from loragate.serving.adapter_search import AdapterNotFound, AdapterSearch
-from loragate.serving.eviction import Occupant, past_ttl, room_for
+from loragate.serving.eviction import Occupant, past_ttl
+from loragate.serving.room import CatalogRoom
+from loragate.serving.sleep import asleep_hold, put_to_sleep, wake
 from loragate.settings import Settings
 from loragate.settings.catalog import CatalogModel
 from loragate.supervisor.command import engine_base_env
+from loragate.supervisor.engine import EngineUnavailable
 from loragate.supervisor.spare import spare_engines
 from loragate.supervisor.states import COLD, FAILED, LOADING, RESIDENT, EngineSnapshot, EngineState
 from loragate.supervisor.systemd import AllStarts
@@ -52,24 +59,6 @@ _RUNNING = frozenset(
 )
 
 
-def model_settings(settings: Settings, model_id: str, entry: CatalogModel) -> Settings:
-    """The settings one catalog model runs with: the gateway's, with the entry's model,
-    adapters and engine flags, under a cache and state directory of its own."""
-    cache_dir = settings.cache_dir.expanduser().resolve() / "models" / model_id
-    state_dir = (settings.state_dir or settings.cache_dir).expanduser().resolve()
-    return settings.model_copy(
-        update={
-            "models": {},
-            "model": entry.model,
-            "model_name": model_id,
-            "lora": list(entry.lora),
-            "engine_args": [*settings.engine_args, *entry.engine_args],
-            "cache_dir": cache_dir,
-            "state_dir": state_dir / "models" / model_id,
-        }
-    )
-
-
 @dataclass
 class CatalogEntry:
     id: str
@@ -82,24 +71,21 @@ class CatalogEntry:
     wanted: int = 0
     # Set while a request makes room for this model and boots it: later ones wait on it.
     pending_load: asyncio.Future[None] | None = None
-    # Unloaded by vLLM's sleep mode: the engine runs, its weights in host memory.
-    asleep: bool = False
     wakes: int = 0
+    last_unload_reason: str | None = None
 
     def __post_init__(self) -> None:
         self.backend.sleep_mode = self.spec.sleep
         self.backend.fleet_part = self.id
-        self.backend.supervisor.add_listener(self._engine_changed)
-
-    def _engine_changed(self, state: EngineState, reason: str) -> None:
-        if state not in (EngineState.READY, EngineState.UNHEALTHY):
-            self.asleep = False  # a new boot, or none: awake (or gone) either way
-
-    last_unload_reason: str | None = None
 
     @property
     def state(self) -> EngineState:
         return self.backend.supervisor.state
+
+    @property
+    def asleep(self) -> bool:
+        """Unloaded by vLLM's sleep mode: the engine runs, its weights in host memory."""
+        return self.backend.supervisor.asleep
 
     @property
     def residency(self) -> str:
@@ -116,17 +102,22 @@ class CatalogEntry:
 
     def occupant(self) -> Occupant:
         """This model as the room decision (``loragate.serving.eviction``) sees it."""
-        residency = self.residency
+        residency, backend = self.residency, self.backend
         if residency == LOADING and self.state == EngineState.STOPPED:
             residency = COLD  # still being prepared: no engine yet, it holds nothing
+        asleep = asleep_hold(backend.gpu_placement, backend.gpu_held)
         return Occupant(
             self.id,
             residency,
-            last_used=self.backend.last_used,
-            requests=self.wanted + self.backend.in_flight,
-            memory_bytes=self.backend.memory_bytes,
+            last_used=backend.last_used,
+            requests=self.wanted + backend.in_flight,
+            memory_bytes=backend.memory_bytes,
+            held_bytes=backend.gpu_held,
+            asleep_bytes=asleep.gpu_bytes,
+            asleep_held=asleep.gpus,
+            asleep_host_bytes=asleep.host_bytes,
             keep=self.spec.keep,
-            sleeps=self.backend.sleep_mode,
+            sleeps=backend.sleep_mode,
             ttl=self.spec.ttl,
         )
 
@@ -149,12 +140,10 @@ class CatalogBackend:
             )
             for model_id, entry in settings.models.items()
         }
-        self.memory_budget: int | None = (
-            int(settings.memory_budget) if settings.memory_budget is not None else None
-        )
+        self.room = CatalogRoom.given(settings)  # measured at start
         self.swaps = 0
         self.last_swap: dict[str, Any] | None = None
-        self._room = asyncio.Lock()  # one residency change at a time
+        self._changing = asyncio.Lock()  # one residency change at a time
         self._search = AdapterSearch(
             {model_id: entry.spec for model_id, entry in self.entries.items()}, self._add_from
         )
@@ -164,10 +153,11 @@ class CatalogBackend:
     # ----- life cycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.room = await CatalogRoom.measure(self.settings)
         for entry in self.entries.values():
+            # On GPUs: its part of the catalog's GPU plan, its GPUs and share beside the others.
+            entry.backend.gpu_placement = self.room.placements.get(entry.id)
             await entry.backend.start(boot=False)
-        if self.memory_budget is None:
-            self.memory_budget = await asyncio.to_thread(_measured_budget)
         for entry in self.entries.values():
             if entry.spec.preload:
                 task = asyncio.create_task(self._preload(entry), name=f"preload-{entry.id}")
@@ -275,10 +265,11 @@ class CatalogBackend:
         for the room again, so a burst for one model costs one boot, not one per request."""
         if entry.takes_requests or entry.residency == FAILED:
             return
+        await entry.backend.wait_until_prepared()  # its plan (memory, GPUs) is known then
         if entry.pending_load is not None:
             await asyncio.shield(entry.pending_load)
             return
-        async with self._room:  # an unload in progress (STOPPING) ends first
+        async with self._changing:  # an unload in progress (STOPPING) ends first
             if entry.takes_requests or entry.residency == FAILED:
                 return
             entry.pending_load = asyncio.get_running_loop().create_future()
@@ -293,11 +284,12 @@ class CatalogBackend:
                         "reason": reason,
                     }
                 if entry.asleep:
-                    log.info("model %s: waking up (%s)", entry.id, reason)
-                    await entry.backend.engine.wake_up()
-                    entry.asleep = False
-                    entry.wakes += 1
+                    await self._wake(entry, reason)
                 else:
+                    # vLLM would refuse the boot (another program took that GPU memory)?
+                    refused = await self.room.boot_refusal(entry.backend.gpu_placement)
+                    if refused is not None:
+                        raise _no_room(entry, refused)
                     log.info("model %s: loading (%s)", entry.id, reason)
                     entry.loads += 1
                     await entry.backend.load(f"loaded on demand: {reason}")
@@ -310,6 +302,23 @@ class CatalogBackend:
             finally:
                 entry.pending_load = None
 
+    async def _wake(self, entry: CatalogEntry, reason: str) -> None:
+        """Wake ``entry``'s engine; one that does not wake is stopped (the next request boots
+        it, within the room) and this request gets a 503."""
+        log.info("model %s: waking up (%s)", entry.id, reason)
+        try:
+            await wake(entry.backend.supervisor, entry.backend.engine)
+        except EngineUnavailable as exc:
+            await entry.backend.unload(f"it did not wake up: {exc}")
+            raise OpenAIError(
+                503,
+                f"model {entry.id!r} did not wake up ({exc}): its engine was stopped, and the "
+                "next request boots it",
+                code="engine_unavailable",
+                headers={"Retry-After": "5"},
+            ) from None
+        entry.wakes += 1
+
     async def _make_room_for(self, entry: CatalogEntry) -> list[str]:
         """Unload what ``loragate.serving.eviction`` says, one engine at a time (a request may
         reach one between two unloads: the decision is taken again after each), until
@@ -318,11 +327,10 @@ class CatalogBackend:
         deadline = time.monotonic() + self.settings.queue_deadline
         evicted: list[str] = []
         while True:
-            decision = room_for(
+            decision = self.room.decide(
                 entry.backend.memory_bytes,
+                entry.backend.gpu_held,
                 [other.occupant() for other in self.entries.values() if other is not entry],
-                memory_budget=self.memory_budget,
-                max_loaded_models=self.settings.max_loaded_models,
             )
             if decision.refused is not None:
                 raise _no_room(entry, decision.refused)
@@ -350,9 +358,11 @@ class CatalogBackend:
         entry.last_unload_reason = reason
         if entry.backend.sleep_mode and not stop and entry.residency == RESIDENT:
             log.info("model %s: going to sleep (%s)", entry.id, reason)
-            entry.asleep = True  # at once: no request may go to it from now on
-            await entry.backend.engine.sleep()
-            return
+            try:  # asleep at once: no request or adapter call may go to it from now on
+                await put_to_sleep(entry.backend.supervisor, entry.backend.engine)
+                return
+            except EngineUnavailable as exc:
+                log.warning("model %s: did not go to sleep (%s): stopping it", entry.id, exc)
         log.info("model %s: unloading (%s)", entry.id, reason)
         await entry.backend.unload(f"unloaded: {reason}")
 
@@ -363,7 +373,7 @@ class CatalogBackend:
 
     async def unload_by_hand(self, model_id: str) -> dict[str, Any]:
         entry = self._entry(model_id)
-        async with self._room:
+        async with self._changing:
             if entry.state not in (EngineState.STOPPED, EngineState.FAILED):
                 await self.unload(entry, "unloaded by an admin", stop=True)
         return self.model_report(entry)
@@ -380,9 +390,12 @@ class CatalogBackend:
         for model_id in past_ttl([e.occupant() for e in self.entries.values()], time.monotonic()):
             entry = self.entries[model_id]
             try:
-                async with self._room:  # still idle once the room is ours?
-                    if past_ttl([entry.occupant()], time.monotonic()):
-                        await self.unload(entry, f"idle for {entry.spec.ttl:g} s (ttl)")
+                async with self._changing:  # still idle once the room is ours?
+                    model = entry.occupant()
+                    if past_ttl([model], time.monotonic()):
+                        others = [e.occupant() for e in self.entries.values()]
+                        stop = not self.room.may_sleep(model, others)  # too little host memory
+                        await self.unload(entry, f"idle for {entry.spec.ttl:g} s (ttl)", stop)
             except Exception:
                 log.exception("model %s: its ttl unload failed; the next pass retries", model_id)
 
@@ -425,6 +438,7 @@ class CatalogBackend:
     def model_report(self, entry: CatalogEntry) -> dict[str, Any]:
         backend = entry.backend
         _, health = backend.health()
+        asleep = asleep_hold(backend.gpu_placement, backend.gpu_held)
         return {
             "id": entry.id,
             "model": entry.spec.model,
@@ -433,6 +447,9 @@ class CatalogBackend:
             "reason": health.get("reason") or backend.supervisor.reason,
             "adapters": [name for name in backend.servable_models() if name != entry.id],
             "memory_bytes": backend.memory_bytes,
+            # What it still holds asleep: of its GPUs, and of host memory (its weights).
+            "asleep_gpu_bytes": asleep.gpu_bytes if entry.asleep else None,
+            "asleep_host_bytes": asleep.host_bytes if entry.asleep else None,
             "in_flight": backend.in_flight,
             "idle_seconds": round(time.monotonic() - backend.last_used, 1),
             "loads": entry.loads,
@@ -447,8 +464,7 @@ class CatalogBackend:
     def catalog_report(self) -> dict[str, Any]:
         return {
             "models": [self.model_report(entry) for entry in self.entries.values()],
-            "max_loaded_models": self.settings.max_loaded_models,
-            "memory_budget": self.memory_budget,
+            **self.room.report(),
             "swaps": self.swaps,
             "last_swap": self.last_swap,
         }
@@ -580,14 +596,3 @@ def _no_room(entry: CatalogEntry, why: str) -> OpenAIError:
         code="model_capacity",
         headers={"Retry-After": "10"},
     )
-
-
-def _measured_budget() -> int:
-    """What preflight measures: the free memory of the visible GPUs, or available RAM."""
-    from loragate.plan.cpu import node_available_bytes
-    from loragate.plan.preflight.machine import visible_gpus
-
-    gpus = visible_gpus()
-    if gpus:
-        return sum(gpu.free_bytes for gpu in gpus)
-    return node_available_bytes()
