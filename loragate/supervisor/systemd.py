@@ -30,6 +30,9 @@ from typing import Any, Protocol, runtime_checkable
 # gateway can always notify and still run anywhere. A failed send never raises: systemd being
 # gone is no reason to stop serving.
 logger = logging.getLogger(__name__)
+# After a start gave up (its engine failed), how often to ask whether it serves now (an
+# admin's restart): READY=1 then, as systemd waits for it until TimeoutStartSec.
+_SERVING_AGAIN_SECONDS = 2.0
 
 
 def _socket_address(value: str) -> str | None:
@@ -213,6 +216,7 @@ class AllStarts:
         self.parts = parts
         self.first = first  # may still change: a preload leaves its set when done
         self._listeners: list[Callable[[str], None]] = []
+        self._last_line: str | None = None
 
     async def until_serving(self) -> bool:
         pending = list(self.first)
@@ -225,8 +229,10 @@ class AllStarts:
         line = "serving " + ", ".join(serving) if serving else "no model could start"
         if failed:
             line += "; failed: " + ", ".join(failed)
-        for listener in self._listeners:
-            listener(line)
+        if line != self._last_line:  # asked again after giving up: said once
+            self._last_line = line
+            for listener in self._listeners:
+                listener(line)
         return bool(serving)
 
     def describe_start(self) -> str | None:
@@ -303,16 +309,21 @@ class SystemdReporter:
         return self._start.describe_start()
 
     async def _ready_once_serving(self) -> None:
-        try:
-            serving = self._start is None or await self._start.until_serving()
-        except Exception:
-            logger.exception("waiting for the backend to serve, for systemd, failed")
-            serving = False
-        self._start_over = True
-        if serving:
-            self.notifier.ready()
-        else:
-            logger.warning("the backend's start gave up: systemd is not told READY=1")
+        gave_up = False
+        while True:
+            try:
+                serving = self._start is None or await self._start.until_serving()
+            except Exception:
+                logger.exception("waiting for the backend to serve, for systemd, failed")
+                serving = False
+            self._start_over = True
+            if serving:
+                self.notifier.ready()
+                return
+            if not gave_up:  # an admin's restart may still bring it up: READY=1 then
+                logger.warning("the backend's start gave up: systemd is not told READY=1")
+                gave_up = True
+            await asyncio.sleep(_SERVING_AGAIN_SECONDS)
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=name)

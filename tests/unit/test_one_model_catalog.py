@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -29,6 +30,7 @@ def one_model(tmp_path: Path, demo_dir: Path) -> Settings:
         engine_command=STAND_IN,
         probe_interval=0.2,
         admin_key="the-admin",
+        adapter_source_roots=[str(demo_dir)],
     )
 
 
@@ -84,6 +86,38 @@ def test_gateway_models_list_load_unload_on_a_one_model_gateway(
         assert engine_pid(url) == second_pid
         missing = models(url, "load", "gamma")
         assert missing.returncode != 0 and "gamma" in missing.stderr
+
+
+def test_requests_during_an_unload_by_hand_boot_the_engine_again_once_it_stopped(
+    tmp_path: Path, demo_dir: Path
+) -> None:
+    """A request that arrives while ``unload`` stops the engine waits for the stop, then boots
+    it (it used to find the engine stopping, clear the cold mark and leave it stopped for
+    good); an adapter added while cold is recorded and served after the boot."""
+    settings = one_model(tmp_path, demo_dir)
+    base = settings.served_model_name
+    with serving(create_app(settings)) as url:
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200)
+        with ThreadPoolExecutor(6) as pool:
+            unloading = pool.submit(
+                httpx.post, f"{url}/admin/models/{base}/unload", headers=ADMIN, timeout=60
+            )
+            answers = [pool.submit(chat, url, "pong") for _ in range(5)]
+            assert unloading.result().status_code == 200
+            statuses = [answer.result().status_code for answer in answers]
+        assert set(statuses) <= {200, 503}, statuses
+        assert chat(url, "pong").status_code == 200
+        assert engine_pid(url) is not None
+        models(url, "unload", base)
+        added = httpx.put(
+            f"{url}/admin/adapters/fox",
+            json={"source": str(demo_adapter_dir(demo_dir, "fox"))},
+            headers=ADMIN,
+            timeout=60,
+        )
+        assert added.status_code == 200, added.text  # recorded for the next boot
+        answer = chat(url, "fox")
+        assert answer.status_code == 200 and answer.json()["model"] == "fox", answer.text
 
 
 def test_models_admin_is_a_404_on_an_upstream_gateway() -> None:

@@ -28,6 +28,7 @@ from fastapi import FastAPI
 
 from loragate.demo.layout import demo_adapter_dir, demo_base_dir
 from loragate.gateway.app import create_app
+from loragate.gateway.server.serve import GatewayServer
 from loragate.settings import Settings
 from tests.backend_double import RecordingBackend, free_port
 from tests.gateway_process import GatewayProcess
@@ -213,6 +214,58 @@ async def test_a_gateway_whose_model_cannot_be_prepared_never_says_ready(
         await asyncio.sleep(0.2)
     await systemd.wait_for("STOPPING=1")
     assert systemd.index("READY=1") is None, systemd.messages  # systemd's start timeout ends it
+
+
+async def test_a_one_model_gateway_whose_engine_failed_says_ready_after_an_admins_restart(
+    tmp_path: Path, demo_dir: Path, systemd: NotifySocket
+) -> None:
+    """The engine fails its boots until the operator fixes it (here: a file appears), then an
+    admin's restart brings it up: systemd hears READY=1 then, before its start timeout."""
+    fixed = tmp_path / "fixed"
+    engine = tmp_path / "engine.sh"
+    engine.write_text(f'#!/bin/sh\n[ -e {fixed} ] || exit 3\nexec {" ".join(STAND_IN)} "$@"\n')
+    engine.chmod(0o755)
+    settings = one_model(tmp_path, demo_dir).model_copy(
+        update={"engine_command": [str(engine)], "crash_loop_limit": 1, "restart_backoff": 0.1}
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        backend = app.state.gateway.backend
+        deadline = time.monotonic() + 60
+        while backend.supervisor.state != "failed":
+            assert time.monotonic() < deadline, backend.supervisor.state
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        assert systemd.index("READY=1") is None, systemd.messages
+        fixed.touch()
+        await backend.restart_engine()
+        await systemd.wait_for("READY=1")
+        assert health(app)[0], health(app)
+    await systemd.wait_for("STOPPING=1")
+
+
+def test_gateway_serve_fails_on_a_taken_port_before_starting_anything(tmp_path: Path) -> None:
+    """The port is bound and listened on before the app starts (a client connecting after
+    READY=1 is queued, never refused): a taken one fails the start with nothing started."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started: list[str] = []
+        app = FastAPI(lifespan=_recording_lifespan(started))
+        server = GatewayServer(app, Settings(), host="127.0.0.1", port=port)
+        with pytest.raises(OSError):
+            asyncio.run(server.serve(install_signals=False))
+        assert started == []
+
+
+def _recording_lifespan(started: list[str]) -> Any:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        started.append("startup")
+        yield
+
+    return lifespan
 
 
 async def test_a_catalog_none_of_whose_models_can_be_prepared_never_says_ready(

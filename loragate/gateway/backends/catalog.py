@@ -20,9 +20,10 @@ failed before. An adapter name no model has registered is looked for where the o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,7 @@ from loragate.supervisor.systemd import AllStarts
 log = logging.getLogger("loragate.gateway")
 
 _TTL_CHECK_SECONDS = 5.0
-# How long stopping the catalog waits for its cancelled background tasks before stopping the
-# engines all the same.
+# How long stopping waits for cancelled background tasks before stopping the engines anyway.
 _BACKGROUND_GRACE_SECONDS = 5.0
 # States of an engine that is up or coming up: a request for it goes straight to it.
 _RUNNING = frozenset(
@@ -247,13 +247,13 @@ class CatalogBackend:
         """Add adapter ``name`` to ``model_id`` from ``source`` through the admin API's
         pipeline (booting the model first): None once it serves, else why it could not."""
         entry = self.entries[model_id]
-        await self.make_resident(entry, f"adapter {name} requested")
-        await entry.backend.wait_until_prepared()
-        try:
-            # An operator's place (adapter_dir, resolvers): read wherever it is.
-            await entry.backend.put_adapter(name, source, local_roots=None)
-        except OpenAIError as exc:
-            return exc.message
+        async with self._kept_resident(entry, f"adapter {name} requested"):
+            await entry.backend.wait_until_prepared()
+            try:
+                # An operator's place (adapter_dir, resolvers): read wherever it is.
+                await entry.backend.put_adapter(name, source, local_roots=None)
+            except OpenAIError as exc:
+                return exc.message
         return None
 
     # ----- residency ----------------------------------------------------------------------
@@ -405,24 +405,26 @@ class CatalogBackend:
         self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
     ) -> Response:
         entry = await self._owner_for(public_model)
-        await self.make_resident(entry, f"a request for {public_model}")
-        entry.wanted += 1  # at once: nothing may unload it between the two
-        try:
-            entry.backend.last_used = time.monotonic()
+        async with self._kept_resident(entry, f"a request for {public_model}"):
             return await entry.backend.forward(path, payload, public_model, stream, request_id)
-        finally:
-            entry.wanted -= 1
 
     async def relay(self, call: EngineCall) -> Response:
         if call.public_model is None:
             entry = self._default_entry()
         else:
             entry = await self._owner_for(call.public_model)
-        await self.make_resident(entry, f"a request for {call.public_model or entry.id}")
+        async with self._kept_resident(entry, f"a request for {call.public_model or entry.id}"):
+            return await entry.backend.relay(call)
+
+    @contextlib.asynccontextmanager
+    async def _kept_resident(self, entry: CatalogEntry, reason: str) -> AsyncIterator[None]:
+        """``entry`` made resident and kept so (wanted: never unloaded) until the block ends: a
+        request, or an admin's adapter change whose download may take a while."""
+        await self.make_resident(entry, reason)
         entry.wanted += 1  # at once: nothing may unload it between the two
         try:
             entry.backend.last_used = time.monotonic()
-            return await entry.backend.relay(call)
+            yield
         finally:
             entry.wanted -= 1
 
@@ -530,18 +532,18 @@ class CatalogBackend:
         local_roots: Sequence[Path] | None,
     ) -> dict[str, Any]:
         entry = self._adapter_owner(name, adding=True)
-        await self.make_resident(entry, f"adapter {name} added by an admin")
-        return await entry.backend.put_adapter(
-            name, source, revision, follow, preset, local_roots=local_roots
-        )
+        async with self._kept_resident(entry, f"adapter {name} added by an admin"):
+            return await entry.backend.put_adapter(
+                name, source, revision, follow, preset, local_roots=local_roots
+            )
 
     async def remove_adapter(self, name: str) -> None:
         await self._adapter_owner(name).backend.remove_adapter(name)
 
     async def rollback_adapter(self, name: str) -> dict[str, Any]:
         entry = self._adapter_owner(name)
-        await self.make_resident(entry, f"adapter {name} rolled back by an admin")
-        return await entry.backend.rollback_adapter(name)
+        async with self._kept_resident(entry, f"adapter {name} rolled back by an admin"):
+            return await entry.backend.rollback_adapter(name)
 
     async def engine_report(self) -> dict[str, Any]:
         return {entry.id: await entry.backend.engine_report() for entry in self.entries.values()}

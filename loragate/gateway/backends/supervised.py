@@ -101,6 +101,7 @@ class SupervisedEngineBackend(AdapterAdmin):
         self.unloaded_by_hand = False
         self.loads_by_hand = 0
         self._cold_load: asyncio.Future[None] | None = None
+        self._by_hand = asyncio.Lock()  # a load and an unload by hand, one after the other
         # What the plan says the running engine holds, for a catalog's memory budget.
         self.memory_bytes: int | None = None
         # A catalog model unloaded by vLLM's sleep mode: the engine runs with it enabled.
@@ -127,10 +128,11 @@ class SupervisedEngineBackend(AdapterAdmin):
         self._bootstrap_task = asyncio.create_task(self._bootstrap(), name="engine-bootstrap")
 
     async def stop(self) -> None:
-        if self._bootstrap_task is not None and not self._bootstrap_task.done():
-            self._bootstrap_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._bootstrap_task
+        for task in (self._bootstrap_task, self._cold_load):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if self.fleet is not None:
             await self.fleet.aclose()
         if self.manager is not None:
@@ -147,8 +149,10 @@ class SupervisedEngineBackend(AdapterAdmin):
             self.start_progress.enter("boot")
         elif state == EngineState.READY:
             self.start_progress.enter("done")
-        if state in (EngineState.READY, EngineState.FAILED):
-            self._engine_settled.set()
+        if state in (EngineState.STARTING, EngineState.RESTARTING):
+            self._engine_settled.clear()  # a boot under way: ready, failed or stopped next
+        elif state in (EngineState.READY, EngineState.FAILED, EngineState.STOPPED):
+            self._engine_settled.set()  # stopped while booting: cold, and a cold model serves
 
     def service_start(self) -> ServiceStart:  # how the start goes, for systemd: itself
         return self
@@ -220,8 +224,11 @@ class SupervisedEngineBackend(AdapterAdmin):
         await self._prepared.wait()
 
     async def load(self, reason: str) -> None:
-        """Boot the engine of a started backend whose engine is stopped (a cold model)."""
+        """Boot the engine of a started backend whose engine is stopped (a cold model), once
+        a stop under way has ended."""
         await self._prepared.wait()
+        while self.supervisor.state == EngineState.STOPPING:
+            await asyncio.sleep(0.05)
         if self._prepare_error is None and self.supervisor.state == EngineState.STOPPED:
             self.start_progress.enter("boot")
             await self.supervisor.start(reason)
@@ -252,7 +259,9 @@ class SupervisedEngineBackend(AdapterAdmin):
             zero_adapter=plan.zero_adapter,
             preset_rules=parameter_rules,
         )
-        self.manager.declare_while_stopped = self.fleet_part is not None  # a catalog's model
+        # A cold model (a catalog's, or one unloaded by hand) records adapter changes for
+        # its next boot instead of waiting for an engine nobody is booting.
+        self.manager.declare_while_stopped = True
         self.fleet = fleet_reconciler_for(settings, self.manager, self.fleet_part)
         # With a manifest, it names every adapter (the demo's and a Vi run's included).
         await self.manager.declare_all([] if self.fleet is not None else list(plan.boot_loras))
@@ -280,6 +289,8 @@ class SupervisedEngineBackend(AdapterAdmin):
     def model_ids(self) -> list[str]:
         if self.manager is None:
             return [self.base_name]
+        if self.unloaded_by_hand or self._cold_load is not None:
+            return self.servable_models()  # cold: what its next boot serves, as in a catalog
         return self.manager.public_models()
 
     def model_preset(self, model: str) -> dict[str, Any] | None:
@@ -520,18 +531,23 @@ class SupervisedEngineBackend(AdapterAdmin):
     async def load_by_hand(
         self, model_id: str, reason: str = "loaded by an admin"
     ) -> dict[str, Any]:
-        """Boot a cold engine; callers at once share one boot."""
+        """Boot a cold engine (not one still being prepared, whose start boots it); callers
+        at once share one boot, which waits for an unload by hand under way to end."""
         self._only_model(model_id)
-        if self._cold_load is None and (
-            self.unloaded_by_hand or self.supervisor.state == EngineState.STOPPED
-        ):
+        cold = self.unloaded_by_hand or self.supervisor.state == EngineState.STOPPED
+        started = self._bootstrap_task is not None and self._bootstrap_task.done()
+        if self._cold_load is None and cold and started:
             self.unloaded_by_hand = False
             self.loads_by_hand += 1
-            self._cold_load = asyncio.ensure_future(self.load(reason))
+            self._cold_load = asyncio.ensure_future(self._load_by_hand(reason))
             self._cold_load.add_done_callback(self._cold_load_done)
         if self._cold_load is not None:
             await asyncio.shield(self._cold_load)
         return self.catalog_report()["models"][0]
+
+    async def _load_by_hand(self, reason: str) -> None:
+        async with self._by_hand:
+            await self.load(reason)
 
     def _cold_load_done(self, task: asyncio.Future[None]) -> None:
         self._cold_load = None
@@ -539,9 +555,10 @@ class SupervisedEngineBackend(AdapterAdmin):
     async def unload_by_hand(self, model_id: str) -> dict[str, Any]:
         """Stop the engine, keeping the model and adapters: the next request boots it."""
         self._only_model(model_id)
-        if self.supervisor.state not in (EngineState.STOPPED, EngineState.FAILED):
-            self.unloaded_by_hand = True
-            await self.unload("unloaded by an admin")
+        async with self._by_hand:
+            if self.supervisor.state not in (EngineState.STOPPED, EngineState.FAILED):
+                self.unloaded_by_hand = True
+                await self.unload("unloaded by an admin")
         return self.catalog_report()["models"][0]
 
     def _only_model(self, model_id: str) -> None:

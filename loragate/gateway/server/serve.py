@@ -149,15 +149,28 @@ class GatewayServer:
         if install_signals:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, self._on_signal, signum)
-        lifespan = Lifespan(self.app)
-        await lifespan.startup()
+        # Listening before the app starts: a client that connects once systemd has heard
+        # READY=1 (sent from the app's startup) waits in the backlog, never refused, and a
+        # port that cannot be had fails the start before anything is started or announced.
         try:
             sock = bound_socket(self.host, self.port)
+            sock.listen(BACKLOG)
+        except OSError as exc:
+            log.error("cannot listen on %s:%s: %s", self.host, self.port, exc)
+            raise
+        lifespan = Lifespan(self.app)
+        try:
+            await lifespan.startup()
+        except BaseException:
+            sock.close()
+            raise
+        try:
             server = await loop.create_server(
                 lambda: Connection(self.state), sock=sock, backlog=BACKLOG
             )
         except OSError as exc:
-            log.error("cannot listen on %s:%s: %s", self.host, self.port, exc)
+            log.error("cannot serve on %s:%s: %s", self.host, self.port, exc)
+            sock.close()
             await lifespan.shutdown()
             raise
         self.port = int(sock.getsockname()[1])  # the one the kernel chose, for port 0
