@@ -162,6 +162,8 @@ def plan_table(report: dict[str, Any], width: int = 80) -> str:
         elif engine["fits"] and (engine["args"] or engine["env"]):
             given = [*engine["args"], *(f"{k}={v}" for k, v in engine["env"].items())]
             lines += _beneath(f"{engine['model']} boots with {' '.join(given)}", width)
+        for warning in engine.get("warnings") or []:
+            lines += _beneath(f"{engine['model']}: {warning}", width)
     resident = report["resident_at_once"]
     lines += ["", f"resident at once: {', '.join(resident) if resident else 'none'}"]
     return "\n".join(lines) + "\n"

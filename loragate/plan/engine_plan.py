@@ -323,6 +323,8 @@ def _place_on_gpus(settings: Settings, model: _Model, gpu: Placement | None) -> 
     if not gpu.fits:
         log.info("GPU plan: %s", gpu.reason)
         return None
+    for warning in gpu.warnings:  # a share of the user's own that vLLM may still refuse
+        log.warning("GPU plan: %s", warning)
     return gpu
 
 

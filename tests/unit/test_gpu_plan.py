@@ -230,9 +230,13 @@ def test_a_share_above_what_is_free_is_refused_naming_one_that_fits(qwen3_4b: Pa
     args = ("-q", "fp8", "--max-model-len", "4096", "--gpu-memory-utilization", "0.9")
     placement = one(qwen3_4b, EIGHT_SEVEN, *args)
     assert placement.fits is False
-    assert "--gpu-memory-utilization 0.9 asks vLLM for 7.2 GiB and only 6.5 GiB is free" in (
-        placement.reason or ""
-    )
+    # vLLM's own check, the driver's reserve at its largest and no CUDA context: 0.9 x 98% of
+    # 8 GiB is more than the 7 GiB free.
+    assert (
+        "--gpu-memory-utilization 0.9 asks vLLM for 7.2 GiB (at least 7.1 GiB of the total "
+        "torch counts, which leaves out what the driver keeps back) and only 7.0 GiB is free "
+        "there, so vLLM refuses to start"
+    ) in (placement.reason or "")
     assert (placement.reason or "").endswith(
         "It fits with --gpu-memory-utilization 0.812 (after --)."
     )
@@ -291,3 +295,95 @@ def test_a_memory_budget_caps_what_the_resident_engines_hold_together(qwen25_1_5
     assert held <= 16 * GiB
     for engine in result.engines:
         assert (engine.kv_cache_bytes or 0) >= (engine.one_sequence_kv_bytes or 0)
+
+
+# A share of the user's own is checked against vLLM's rule alone (v1/worker/utils.py:761-770):
+# share x torch's total, which leaves out what the driver keeps back, must be free after the
+# engine's CUDA context. nvidia-smi's total counts that reserve; its free does not.
+IDLE_4090 = GpuInfo("0", "NVIDIA GeForce RTX 4090", 24564 << 20, 24210 << 20)
+IDLE_H100 = GpuInfo("0", "NVIDIA H100 80GB HBM3", 81559 << 20, 81004 << 20)
+
+
+@pytest.mark.parametrize(("card", "share"), [(IDLE_4090, "0.97"), (IDLE_H100, "0.99")])
+def test_a_users_high_share_on_an_idle_card_is_warned_about_not_refused(
+    qwen25_1_5b: Path, card: GpuInfo, share: str
+) -> None:
+    from loragate.plan.gpu.placement import boot_refusal
+
+    placement = one(qwen25_1_5b, [card], "--gpu-memory-utilization", share)
+    assert placement.fits is True and placement.reason is None
+    assert placement.share == float(share) and placement.args == []  # the user's, unchanged
+    [warning] = placement.warnings
+    assert warning.startswith(f"--gpu-memory-utilization {share} asks vLLM for")
+    assert "vLLM starts only if that much is still free once its CUDA context" in warning
+    assert boot_refusal(placement, [card]) is None
+    # What vLLM surely refuses (more than is free even with the largest reserve) still is.
+    taken = GpuInfo("0", card.name, card.total_bytes, card.free_bytes // 2)
+    assert "vLLM would refuse to start" in (boot_refusal(placement, [taken]) or "")
+
+
+def test_the_tokenizers_length_does_not_cap_a_generative_models_context(
+    tmp_path: Path,
+) -> None:
+    # DeepSeek-R1-Distill-Qwen-7B: config.json 131072, tokenizer_config.json 16384. vLLM reads
+    # the tokenizer's config only for pooling models (config/model.py:2131-2141).
+    import json
+
+    from loragate.plan.preflight.model_files import derived_max_len
+
+    model = model_dir(tmp_path / "r1-distill", QWEN25_7B)
+    config = json.loads((model / "config.json").read_text()) | {"max_position_embeddings": 131072}
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 16384}))
+    placement = one(model, [gpu(80, 79)])
+    assert placement.max_model_len == 131072
+    assert placement.one_sequence_kv_bytes == 131072 * QWEN25_7B.kv_bytes_per_token
+    # A pooling model with absolute position embeddings is the one vLLM caps.
+    bert = {"architectures": ["BertModel"], "position_embedding_type": "absolute",
+            "max_position_embeddings": 512}  # fmt: skip
+    assert derived_max_len(bert, {"model_max_length": 256}, pooling=True) == 256
+    assert derived_max_len(bert, {"model_max_length": 256}) == 512
+
+
+def _quantized(tmp_path: Path, name: str, settings: dict[str, object]) -> Path:
+    import json
+
+    model = model_dir(tmp_path / name, QWEN25_1_5B)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"quantization_config": settings}))
+    return model
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        # vLLM's INC method takes AutoRound checkpoints (quantization/inc/inc.py:361-368)...
+        {"quant_method": "auto-round", "bits": 4, "group_size": 128,
+         "packing_format": "auto_round:auto_gptq"},
+        # ...and spells compressed_tensors its own way (model_arch_config_convertor.py:299).
+        {"quant_method": "compressed_tensors", "config_groups": {
+            "group_0": {"weights": {"num_bits": 8, "type": "float"}}}},
+    ],
+)  # fmt: skip
+def test_quantization_names_vllm_rewrites_are_not_refused(
+    tmp_path: Path, settings: dict[str, object]
+) -> None:
+    placement = one(_quantized(tmp_path, "quantized", settings), [gpu(24, 23)])
+    assert placement.fits is True, placement.reason
+
+
+def test_a_checkpoint_method_vllm_cannot_take_is_refused_and_one_it_may_take_is_not(
+    tmp_path: Path,
+) -> None:
+    bnb = _quantized(tmp_path, "bnb", {"quant_method": "bitsandbytes", "bits": 4})
+    refused = one(bnb, [gpu(24, 23)])
+    assert refused.fits is False
+    assert (refused.reason or "").startswith(
+        "the checkpoint is quantized with bitsandbytes, which vLLM 0.32.0 does not take"
+    )
+    # A name vLLM's override_quantization_method functions test for (here one a user's
+    # --quantization may spell): what vLLM makes of it in a checkpoint is not guessed.
+    marlin = _quantized(tmp_path, "marlin", {"quant_method": "marlin", "bits": 4})
+    unsure = one(marlin, [gpu(24, 23)])
+    assert unsure.fits is None
+    assert (unsure.reason or "").startswith("cannot tell: the checkpoint is quantized with marlin")

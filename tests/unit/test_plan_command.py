@@ -5,6 +5,7 @@ the plan's own reason."""
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,17 @@ def test_engine_arguments_after_the_separator_are_planned(models: Path) -> None:
     assert code == 0 and engine["fits"] is True
     assert engine["gpu_memory_utilization"] <= 7 / 8
     assert engine["argv"][-4:] == ["--quantization", "fp8", "--max-model-len", "4096"]
+
+
+def test_the_table_shows_a_warning_the_json_carries(models: Path) -> None:
+    """A share of the user's own that vLLM may yet refuse: warned about beneath its row."""
+    args = [str(models / "alpha"), "--gpu", "24564MiB:24210MiB"]
+    code, report = plan_json(*args, "--", "--gpu-memory-utilization", "0.97")
+    [engine] = report["engines"]
+    assert code == 0 and engine["fits"] is True and engine["warnings"]
+    table = runner.invoke(app, ["plan", *args, "--", "--gpu-memory-utilization", "0.97"])
+    assert table.exit_code == 0, table.output
+    assert "--gpu-memory-utilization 0.97 asks vLLM for" in " ".join(table.stdout.split())
 
 
 @pytest.mark.parametrize("value", ["8GiB:9GiB", "lots", "8GiB:0"])
@@ -216,11 +228,98 @@ def test_mig_slices_are_planned_with_their_own_memory(
     assert [g.uuid for g in visible_gpus() or []] == ["MIG-2222-bbbb"]
 
 
-def test_a_mig_slice_without_readable_memory_is_not_guessed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_mig_slice_without_readable_memory_is_listed_and_its_plan_cannot_tell(
+    models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from loragate.plan.preflight import run_preflight
+
     fake_nvidia_smi(tmp_path / "bin", monkeypatch, MIG_SMI.replace("<index>1</index>", "<i/>"))
-    assert visible_gpus() is None
+    gpus = visible_gpus() or []
+    assert [(g.uuid, g.memory_known) for g in gpus] == [
+        ("MIG-1111-aaaa", True),
+        ("MIG-2222-bbbb", False),  # listed, its memory unknown, never its whole GPU's
+    ]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-2222-bbbb")
+    code, report = plan_json(str(models / "qwen3-4b"))
+    [engine] = report["engines"]
+    assert code == 0 and engine["fits"] is None
+    assert engine["reason"].startswith(
+        "cannot tell whether qwen3-4b fits: nvidia-smi does not say how much memory GPU 0 "
+        "(MIG 3g.40gb of GPU 0) has"
+    )
+    assert report["gpus"][0]["total_bytes"] is None and report["gpus"][0]["free_bytes"] is None
+    # serve's preflight starts it (vLLM then sizes it), as it did before the plan existed.
+    monkeypatch.setattr("loragate.plan.preflight.engine_builds", lambda _: {"vllm"})
+    problems = run_preflight(
+        engine_python=sys.executable,
+        model_dir=models / "qwen3-4b",
+        dtype_bytes=2,
+        host="127.0.0.1",
+        port=0,
+        cache_dir=tmp_path / "cache",
+        device="gpu",
+    )
+    assert [p.message for p in problems if p.check in ("accelerator", "memory")] == []
+
+
+def test_tensor_parallelism_is_never_spread_over_mig_slices(
+    models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loragate.engine_flags import ParallelLayout
+    from loragate.plan.gpu.serve_plan import plan_one
+    from loragate.plan.preflight import run_preflight
+
+    fake_nvidia_smi(tmp_path / "bin", monkeypatch, MIG_SMI)
+    gpus = visible_gpus() or []
+    assert len(gpus) == 2 and all(gpu.is_mig for gpu in gpus)
+    placement = plan_one(models / "alpha", gpus, ParallelLayout(tensor=2))
+    assert placement.fits is False
+    assert "MIG slices cannot be among them: CUDA shows a process one MIG slice at most" in (
+        placement.reason or ""
+    )
+    assert plan_one(models / "alpha", gpus, ParallelLayout()).fits is True  # one slice is fine
+    monkeypatch.setattr("loragate.plan.preflight.engine_builds", lambda _: {"vllm"})
+    problems = run_preflight(
+        engine_python=sys.executable,
+        model_dir=models / "alpha",
+        dtype_bytes=2,
+        host="127.0.0.1",
+        port=0,
+        cache_dir=tmp_path / "cache",
+        device="gpu",
+        parallel=ParallelLayout(tensor=2),
+    )
+    [message] = [p.message for p in problems if p.check in ("parallel", "memory")]
+    assert "CUDA shows a process one MIG slice at most" in message
+
+
+TWO_24_GIB_GPUS = (
+    "echo '0, GPU-aaaa-1111, NVIDIA RTX A5000, 24564, 24000'\n"
+    "echo '1, GPU-bbbb-2222, NVIDIA GeForce RTX 4090, 24564, 24000'\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"),
+    [(None, "GPU-aaaa-1111"), ("1", "1"), ("1,0", "1"), ("GPU-bbbb", "GPU-bbbb")],
+)
+def test_the_engine_gets_the_users_own_cuda_visible_devices_entry(
+    models: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    visible: str | None,
+    expected: str,
+) -> None:
+    """An index in CUDA_VISIBLE_DEVICES means what CUDA's device order (FASTEST_FIRST unless
+    CUDA_DEVICE_ORDER says otherwise) makes it mean, which need not be nvidia-smi's (PCI bus)
+    order: the engine gets the user's entry back, not a UUID that may name another GPU."""
+    fake_nvidia_smi(tmp_path / "bin", monkeypatch, TWO_24_GIB_GPUS)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    _, report = plan_json(str(models / "alpha"))
+    [engine] = report["engines"]
+    assert engine["fits"] is True and engine["devices"] == [0]
+    assert engine["env"] == {"CUDA_VISIBLE_DEVICES": expected}
 
 
 def test_a_unified_memory_gpu_plans_with_the_hosts_memory(

@@ -117,7 +117,7 @@ def test_with_only_python_3_10_and_3_11_2_setup_refuses_naming_them_and_how_to_g
 
 def test_without_any_python_setup_says_so_and_how_to_get_one(machine: Machine) -> None:
     message = refused(machine.setup())
-    assert "no python3.13, python3.12, python3.11 nor python3 that runs" in message
+    assert "no python3.11, python3.12, python3.13 nor python3 that runs" in message
     assert "uv python install" in message
 
 
@@ -132,6 +132,32 @@ def test_the_first_python_new_enough_is_taken_and_a_shim_that_does_not_run_is_pa
     assert done.returncode == 0, done
     assert f"Python 3.12.3: {machine.bin / 'python3.12'}" in done.stdout
     assert "Would install loragate[cpu,convert]" in done.stdout
+
+
+def test_python_3_11_is_taken_before_newer_ones_and_the_local_torch_wheel_must_match_it(
+    machine: Machine,
+) -> None:
+    # The CPU build's torch comes from a local wheel when pip knows one (its find-links); the
+    # machine's is built for CPython 3.11, and pip installs no cp311 wheel on 3.13.
+    wheels = machine.root / "wheels"
+    wheels.mkdir()
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_text("")
+    pip_config = f"echo \"global.find-links='{wheels}'\""
+    for name, version in (("python3.11", "3.11.9"), ("python3.13", "3.13.1")):
+        machine.fake(
+            name,
+            f'if [ "$1" = --version ]; then echo "Python {version}"; exit 0; fi\n'
+            f'if [ "$*" = "-m pip config list" ]; then {pip_config}; exit 0; fi\n'
+            f'echo "{machine.include}"',
+        )
+    done = machine.setup()
+    assert done.returncode == 0, done
+    assert f"Python 3.11.9: {machine.bin / 'python3.11'}" in done.stdout
+    assert f"torch 2.13.0+cpu from the local wheel {wheels}/torch-2.13.0+cpu-cp311-" in done.stdout
+    # Named by PYTHON, 3.13 is taken, and the cp311 wheel is not mistaken for its own.
+    newer = machine.setup(PYTHON=str(machine.bin / "python3.13"))
+    assert newer.returncode == 0, newer
+    assert "from PyTorch's CPU index (pip's find-links have no cp313 wheel of it)" in newer.stdout
 
 
 def test_python_3_11_4_is_new_enough_and_python_named_by_env_is_checked_too(

@@ -29,7 +29,13 @@ from loragate.plan.gpu.need import (
     suggested_len,
     without_quantization,
 )
-from loragate.plan.gpu.vllm_rules import CUDA_CONTEXT_BYTES, DRIVER_RESERVE_FRACTION, EngineRules
+from loragate.plan.gpu.vllm_rules import (
+    CUDA_CONTEXT_BYTES,
+    DRIVER_RESERVE_FRACTION,
+    DRIVER_RESERVE_MAX_FRACTION,
+    EngineRules,
+    share_verdict,
+)
 from loragate.plan.preflight.machine import GpuInfo
 from loragate.plan.preflight.memory import size
 
@@ -56,6 +62,12 @@ class Placement:
     args: list[str] = field(default_factory=list)  # engine flags the plan adds
     env: dict[str, str] = field(default_factory=dict)  # CUDA_VISIBLE_DEVICES
     argv: list[str] = field(default_factory=list)  # the engine arguments that size it
+    warnings: list[str] = field(default_factory=list)  # what may still stop vLLM at boot
+
+    @property
+    def share_is_users(self) -> bool:
+        """The share is the user's --gpu-memory-utilization, not one the plan chose."""
+        return self.share is not None and "--gpu-memory-utilization" not in self.args
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +88,7 @@ class Placement:
             "largest_max_model_len": self.largest_max_model_len,
             "cuda_context_bytes": CUDA_CONTEXT_BYTES if self.fits else None,
             "held_bytes": {str(k): v for k, v in self.held_bytes.items()},
+            "warnings": self.warnings,
         }
 
 
@@ -104,8 +117,9 @@ class GpuPlan:
                     "index": gpu.index,  # nvidia-smi's
                     "name": gpu.name,
                     "note": gpu.note or None,
-                    "total_bytes": gpu.total_bytes,
-                    "free_bytes": gpu.free_bytes,
+                    # null: nvidia-smi did not say (a MIG slice's memory unread)
+                    "total_bytes": gpu.total_bytes if gpu.memory_known else None,
+                    "free_bytes": gpu.free_bytes if gpu.memory_known else None,
                 }
                 for n, gpu in enumerate(self.gpus)
             ],
@@ -168,23 +182,28 @@ def plan_gpus(
             continue
         placement.weights_bytes = need.memory.weights_bytes
         placement.max_model_len = need.max_model_len
-        placement.one_sequence_kv_bytes = need.one_sequence_bytes
         candidates = _candidates(ask, devices)
         if isinstance(candidates, str):
             placement.fits, placement.reason = False, candidates
             continue
-        fitted = _fit_alone(need, candidates, default)
+        known = [d for d in candidates if d.gpu.memory_known]
+        if need.kv_known and known:
+            placement.one_sequence_kv_bytes = need.one_sequence_on(known[0].gpu)
+        fitted = _fit_alone(need, known, default) if len(known) >= ask.gpu_count else None
+        if fitted is None and len(known) < len(candidates):
+            placement.reason = _unread(ask, candidates)
+            continue
         if fitted is None:
             placement.fits = False
             placement.reason = _refusal(need, candidates, devices, rules)
             continue
-        if need.shape is None:  # the weights fit; the KV cache cannot be sized
-            said = need.describe_need(candidates[0].gpu)
+        if not need.kv_known:  # the weights fit; the KV cache cannot be sized
+            said = need.describe_need(fitted[0][0].gpu)
             placement.reason = f"cannot tell whether {ask.name} fits: {said}"
             continue
         placement.fits = True
         alone[i] = fitted
-        chosen = _fit_beside(need, candidates)
+        chosen = _fit_beside(need, known)
         cost = sum(_held(d.gpu, chosen[1]) for d in chosen[0]) if chosen else 0
         room_left = (max_loaded is None or len(resident) < max_loaded) and (
             budget is None or held + cost <= budget
@@ -231,25 +250,47 @@ def fits_on_gpus(
 def boot_refusal(placement: Placement, gpus: Sequence[GpuInfo]) -> str | None:
     """Why vLLM would refuse the planned engine if it booted now (``gpus`` as nvidia-smi
     lists them now): its share of one of its GPUs is more than is free there, less its CUDA
-    context. None when it would start."""
+    context (a share of the user's own: only when vLLM's check surely fails). None when it
+    would start, or a GPU's memory is not known."""
     for number in placement.devices:
         if placement.share is None or number >= len(gpus):
             return None
         gpu = gpus[number]
+        if not gpu.memory_known:
+            continue
         wanted = placement.share * gpu.total_bytes + CUDA_CONTEXT_BYTES
-        if wanted > gpu.free_bytes:
-            return (
-                f"{placement.name} boots with --gpu-memory-utilization {placement.share:g} of "
-                f"GPU {number} ({size(wanted)} with its CUDA context), and only "
-                f"{size(gpu.free_bytes)} is free there now: vLLM would refuse to start; free "
-                "that GPU's memory (another program holds it), or plan again (gateway plan)"
-            )
+        if placement.share_is_users:  # only what vLLM's own check surely refuses
+            if share_verdict(placement.share, gpu.total_bytes, gpu.free_bytes) != "refused":
+                continue
+        elif wanted <= gpu.free_bytes:
+            continue
+        return (
+            f"{placement.name} boots with --gpu-memory-utilization {placement.share:g} of "
+            f"GPU {number} ({size(wanted)} with its CUDA context), and only "
+            f"{size(gpu.free_bytes)} is free there now: vLLM would refuse to start; free "
+            "that GPU's memory (another program holds it), or plan again (gateway plan)"
+        )
     return None
 
 
 def _candidates(ask: EngineAsk, devices: list[_Device]) -> list[_Device] | str:
-    """The GPUs ``ask`` may run on, or why none can hold its layout."""
+    """The GPUs ``ask`` may run on, or why none can hold its layout: an engine of several
+    workers never runs on MIG slices, since CUDA shows a process one MIG slice at most."""
     count = ask.gpu_count
+    if count > 1:
+        named = [d for d in devices if ask.devices is None or d.position in ask.devices]
+        slices = [d for d in named if d.gpu.is_mig]
+        whole = [d for d in devices if not d.gpu.is_mig]
+        if slices and (ask.devices is not None or len(whole) < count):
+            return (
+                f"{ask.layout.describe()} needs {count} GPUs, and MIG slices cannot be among "
+                f"them: CUDA shows a process one MIG slice at most (GPU {slices[0].position} "
+                f"is {slices[0].gpu.note or 'a MIG slice'}); this machine has {len(whole)} GPU"
+                f"{'s' if len(whole) != 1 else ''} not in MIG mode. Run it on one slice "
+                "(--tensor-parallel-size 1), or on GPUs not in MIG mode"
+            )
+        if ask.devices is None:
+            devices = whole
     if ask.devices is not None:
         missing = [d for d in ask.devices if not 0 <= d < len(devices)]
         if missing:
@@ -271,6 +312,15 @@ def _candidates(ask: EngineAsk, devices: list[_Device]) -> list[_Device] | str:
     return devices
 
 
+def _unread(ask: EngineAsk, candidates: list[_Device]) -> str:
+    unread = [d for d in candidates if not d.gpu.memory_known]
+    names = ", ".join(f"GPU {d.position} ({d.gpu.note or d.gpu.name})" for d in unread)
+    return (
+        f"cannot tell whether {ask.name} fits: nvidia-smi does not say how much memory {names} "
+        "has (nvidia-smi -q -x gives no memory for it), and it does not fit on the others"
+    )
+
+
 def _least(need: EngineNeed, used: Sequence[_Device]) -> int:
     """The share (thousandths) ``need`` boots with at the least on ``used``: the user's, or
     what holds its need on the neediest of them."""
@@ -290,10 +340,18 @@ def _fit_alone(
     there: as much as vLLM's default (or what it needs, above that), never more than is
     free; with --kv-cache-memory-bytes, just what it needs (vLLM ignores the rest)."""
     used = sorted(candidates, key=lambda d: -d.room(1))[: need.ask.gpu_count]
-    least, room = _least(need, used), min(d.room(1) for d in used)
-    if not _fits_share(need, used, least) or least > room:
+    if len(used) < need.ask.gpu_count:
         return None
-    if need.share_given is not None or need.kv_given is not None:
+    least, room = _least(need, used), min(d.room(1) for d in used)
+    if not _fits_share(need, used, least):
+        return None
+    if need.share_given is not None:  # the user's: refused only where vLLM surely refuses it
+        verdicts = [share_verdict(need.share_given, d.gpu.total_bytes, d.gpu.free_bytes)
+                    for d in used]  # fmt: skip
+        return None if "refused" in verdicts else (used, least)
+    if least > room:
+        return None
+    if need.kv_given is not None:
         return used, least
     return used, min(room, max(least, default))
 
@@ -369,14 +427,21 @@ def _fill(
     placement.resident = resident
     placement.share = share / STEP
     placement.need_bytes = max(need.need_on(d.gpu) for d in used)
+    placement.one_sequence_kv_bytes = max(need.one_sequence_on(d.gpu) for d in used)
     kv_room = min(need.kv_in_share(d.gpu, share) for d in used)
     placement.kv_cache_bytes = kv_room * len(used)
-    placement.largest_max_model_len = need.longest_len(kv_room)
+    placement.largest_max_model_len = min(need.longest_len(kv_room, d.gpu) for d in used)
     if need.auto_len:
         placement.max_model_len = placement.largest_max_model_len
     placement.held_bytes = {d.position: _held(d.gpu, share) for d in used}
     if need.share_given is None:
         placement.args = ["--gpu-memory-utilization", f"{share / STEP:g}"]
+    else:
+        placement.warnings = [
+            _share_warning(need.share_given, d)
+            for d in used
+            if share_verdict(need.share_given, d.gpu.total_bytes, d.gpu.free_bytes) == "unsure"
+        ]
     placement.env = {"CUDA_VISIBLE_DEVICES": ",".join(_cuda_name(d) for d in used)}
     ask = need.ask
     placement.argv = [
@@ -386,9 +451,21 @@ def _fill(
 
 
 def _cuda_name(device: _Device) -> str:
-    """How CUDA_VISIBLE_DEVICES names the GPU: its UUID when nvidia-smi gave one (the same
-    GPU whatever CUDA's device order), else its position."""
-    return device.gpu.uuid or str(device.position)
+    """How CUDA_VISIBLE_DEVICES names the GPU: the user's own entry when the user set it (an
+    index means what CUDA's device order makes it mean), else its UUID (the same GPU whatever
+    that order), else its position."""
+    return device.gpu.cuda_name or device.gpu.uuid or str(device.position)
+
+
+def _share_warning(share: float, device: _Device) -> str:
+    gpu = device.gpu
+    least = share * gpu.total_bytes * (1 - DRIVER_RESERVE_MAX_FRACTION)
+    return (
+        f"--gpu-memory-utilization {share:g} asks vLLM for {size(share * gpu.total_bytes)} of "
+        f"{device.describe()}, or {size(least)} if the driver keeps back 2% of it: vLLM starts "
+        "only if that much is still free once its CUDA context (up to "
+        f"{size(CUDA_CONTEXT_BYTES)}) is made; a lower share is surer"
+    )
 
 
 # ----- refusals: what is short, and the flag and value that would fit ----------------------
@@ -410,11 +487,13 @@ def _refusal(
     room = tightest.room(1)
     free = gpu.free_bytes - CUDA_CONTEXT_BYTES
     given = need.share_given
-    if given is not None and round(given * STEP) > room:
+    if given is not None and share_verdict(given, gpu.total_bytes, gpu.free_bytes) == "refused":
+        at_least = gpu.total_bytes * given * (1 - DRIVER_RESERVE_MAX_FRACTION)
         lack = (
             f"but --gpu-memory-utilization {given:g} asks vLLM for {size(gpu.total_bytes * given)}"
-            f" and only {size(free)} is free there when it starts (less {size(CUDA_CONTEXT_BYTES)}"
-            " of CUDA context), so vLLM refuses to start"
+            f" (at least {size(at_least)} of the total torch counts, which leaves out what the "
+            f"driver keeps back) and only {size(gpu.free_bytes)} is free there, so vLLM refuses "
+            "to start"
         )
     elif given is not None:
         lack = f"but --gpu-memory-utilization {given:g} gives it {size(gpu.total_bytes * given)}"
@@ -458,13 +537,15 @@ def _what_fits(
         int(d.gpu.total_bytes * (1 - DRIVER_RESERVE_FRACTION)) * room // STEP - need.fixed_on(d.gpu)
         for d in used
     )
-    if need.kv_given is not None and need.kv_given < need.one_sequence_bytes:
-        if need.one_sequence_bytes <= usable:
-            return ["--kv-cache-memory-bytes", str(need.one_sequence_bytes)]
-        tokens = suggested_len(need.longest_len(need.kv_given))
+    gpu = min(used, key=lambda d: d.room(1)).gpu
+    wanted = need.sequence_need_on(gpu)
+    if need.kv_given is not None and need.kv_known and need.kv_given < wanted:
+        if wanted <= usable:
+            return ["--kv-cache-memory-bytes", str(wanted)]
+        tokens = suggested_len(need.longest_len(need.kv_given, gpu))
         if tokens >= SHORTEST_LEN:
             return ["--max-model-len", str(tokens)]
-    tokens = suggested_len(need.longest_len(usable))
+    tokens = suggested_len(need.longest_len(usable, gpu))
     if need.kv_given is None and not need.auto_len and tokens >= SHORTEST_LEN:
         # A share of the user's own must grow to what is free, too.
         grown = [] if need.share_given is None else ["--gpu-memory-utilization", f"{room / STEP:g}"]

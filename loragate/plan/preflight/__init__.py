@@ -29,7 +29,7 @@ from loragate.plan.preflight.engine import (
 from loragate.plan.preflight.host import check_cache_dir, check_port
 from loragate.plan.preflight.machine import GpuInfo, GpuInventory, numa_node_count, visible_gpus
 from loragate.plan.preflight.memory import check_memory
-from loragate.plan.preflight.parallel import check_parallel
+from loragate.plan.preflight.parallel import check_parallel, usable_gpus
 from loragate.plan.preflight.problem import PreflightError, PreflightProblem
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,8 @@ def _model_checks(
             env=os.environ if env is None else env,
         )
     )
-    if model_dir is not None and runs_on == "gpu" and len(gpus) >= layout.local_workers:
+    usable = usable_gpus(gpus, layout)
+    if model_dir is not None and runs_on == "gpu" and len(usable) >= layout.local_workers:
         # Imported here: the GPU plan builds on this package's modules.
         from loragate.plan.gpu.serve_plan import check_gpu_memory
 

@@ -13,7 +13,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -77,10 +77,19 @@ class GpuInfo:
 
     index: str  # nvidia-smi's index; "GPU:SLICE" for a MIG slice
     name: str
-    total_bytes: int
+    total_bytes: int  # 0 when its memory cannot be read (memory_known False)
     free_bytes: int
     uuid: str = field(default="", compare=False)  # what CUDA_VISIBLE_DEVICES may name
     note: str = field(default="", compare=False)  # "MIG 1g.10gb of GPU 0", "unified memory"
+    # The user's own CUDA_VISIBLE_DEVICES entry for it: an engine is given that, not the UUID,
+    # so that an index means what CUDA's device order (not nvidia-smi's) makes it mean.
+    cuda_name: str = field(default="", compare=False)
+    memory_known: bool = field(default=True, compare=False)
+
+    @property
+    def is_mig(self) -> bool:
+        """A MIG slice: CUDA shows a process one of them at most."""
+        return self.uuid.startswith("MIG-")
 
 
 GpuInventory = Callable[[], "list[GpuInfo] | None"]
@@ -89,11 +98,14 @@ GpuInventory = Callable[[], "list[GpuInfo] | None"]
 def visible_gpus() -> list[GpuInfo] | None:
     """The NVIDIA GPUs this process may use (``CUDA_VISIBLE_DEVICES``), in CUDA's order.
 
-    None when ``nvidia-smi`` is missing or fails (no driver, no GPU), or when a MIG slice's
-    memory cannot be read (never its whole GPU's instead). A GPU in MIG mode is its slices,
-    each with its own memory; one whose memory nvidia-smi gives as ``[N/A]`` (a unified-memory
-    GPU such as GB10) has the host's. Read through ``nvidia-smi``, not NVML or torch: the
-    gateway never loads CUDA itself.
+    None when ``nvidia-smi`` is missing or fails (no driver, no GPU). A GPU in MIG mode is its
+    slices, each with its own memory (``memory_known`` False, never its whole GPU's, when
+    that cannot be read); one whose memory nvidia-smi gives as ``[N/A]`` (a unified-memory GPU
+    such as GB10) has the host's. With ``CUDA_VISIBLE_DEVICES`` set, each GPU keeps the entry
+    that named it (``cuda_name``): an index there is matched to nvidia-smi's index (PCI bus
+    order), which is CUDA's only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or GPUs alike, so the
+    engine is given the user's entry back rather than a UUID that may name another GPU.
+    Read through ``nvidia-smi``, not NVML or torch: the gateway never loads CUDA itself.
     """
     nvidia_smi = shutil.which("nvidia-smi")
     if nvidia_smi is None:
@@ -113,8 +125,6 @@ def visible_gpus() -> list[GpuInfo] | None:
     if not gpus:
         return None
     slices = _mig_slices(nvidia_smi, gpus)
-    if slices is None:
-        return None
     # CUDA shows a GPU in MIG mode as its slices.
     listed = [part for gpu in gpus for part in slices.get(gpu.uuid, [gpu])]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -125,7 +135,11 @@ def visible_gpus() -> list[GpuInfo] | None:
         match = [gpu for gpu in [*gpus, *listed] if _names_gpu(token, gpu)]
         if not match:
             break  # CUDA ignores everything from the first entry it cannot match
-        chosen += slices.get(match[0].uuid, [match[0]])
+        parts = slices.get(match[0].uuid)
+        if parts is None:
+            chosen.append(replace(match[0], cuda_name=token))
+        else:  # a MIG-mode GPU named whole: its slices, each by its own UUID
+            chosen += parts
     return chosen
 
 
@@ -145,10 +159,10 @@ def _csv_gpu(line: str) -> GpuInfo | None:
     return GpuInfo(fields[0], name, total, free, fields[1])
 
 
-def _mig_slices(nvidia_smi: str, gpus: list[GpuInfo]) -> dict[str, list[GpuInfo]] | None:
+def _mig_slices(nvidia_smi: str, gpus: list[GpuInfo]) -> dict[str, list[GpuInfo]]:
     """Each MIG-mode GPU's slices (by the GPU's UUID), with their own memory: the slices from
-    ``nvidia-smi -L``, their memory from ``nvidia-smi -q -x``. None when a slice's memory
-    cannot be read."""
+    ``nvidia-smi -L``, their memory from ``nvidia-smi -q -x`` (unknown when it cannot be
+    read: the plan then cannot tell, rather than guess)."""
     listing = run_probe([nvidia_smi, "-L"], _NVIDIA_SMI_TIMEOUT)
     if isinstance(listing, str) or listing.returncode != 0:
         return {}
@@ -168,18 +182,20 @@ def _mig_slices(nvidia_smi: str, gpus: list[GpuInfo]) -> dict[str, list[GpuInfo]
     slices: dict[str, list[GpuInfo]] = {}
     for parent, listed in found.items():
         whole = by_uuid.get(parent)
+        if whole is None:
+            continue
         for profile, device, uuid in listed:
             sizes = memory.get((parent, device))
-            if whole is None or sizes is None:
+            if sizes is None:
                 logger.debug("no memory for MIG slice %s of %s", device, parent)
-                return None
             slices.setdefault(parent, []).append(
                 GpuInfo(
                     f"{whole.index}:{device}",
                     f"{whole.name} MIG {profile}",
-                    *sizes,
+                    *(sizes or (0, 0)),
                     uuid,
                     f"MIG {profile} of GPU {whole.index}",
+                    memory_known=sizes is not None,
                 )
             )
     return slices

@@ -94,15 +94,14 @@ class ModelShape:
     kv_lora_rank: int | None = None
     rope_head_dim: int = 0
 
-    def kv_elements_per_token(self, tensor: int = 1, pipeline: int = 1) -> int:
-        """KV cache elements one token takes on one GPU: each of its layers' keys and values
-        for its KV heads. Tensor parallelism splits the heads (never below one a GPU:
-        vllm/config/model.py:1670), pipeline parallelism the layers."""
-        layers = math.ceil(self.layers / max(pipeline, 1))
+    def kv_elements_per_layer_token(self, tensor: int = 1) -> int:
+        """KV cache elements one token takes in one attention layer on one GPU: its keys and
+        values for the KV heads there. Tensor parallelism splits the heads (never below one a
+        GPU: vllm/config/model.py:1670); MLA keeps one latent shared by every head."""
         if self.kv_lora_rank is not None:
-            return layers * (self.kv_lora_rank + self.rope_head_dim)
+            return self.kv_lora_rank + self.rope_head_dim
         heads = max(1, self.kv_heads // max(tensor, 1))
-        return layers * 2 * heads * self.head_dim
+        return 2 * heads * self.head_dim
 
     @property
     def linear_in_out(self) -> int:
@@ -113,17 +112,31 @@ class ModelShape:
         return (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
 
 
+# What transformers' config classes fill in where a family's config.json leaves it out (Gemma
+# 3's hub configs name neither heads nor length: transformers' Gemma3TextConfig defaults).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "max_position_embeddings": 131072, "vocab_size": 262208,
+    },
+}  # fmt: skip
+
+
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's config (a vision model's ``text_config``), with what its transformers
+    config class would fill in where the file leaves it out."""
     nested = config.get("text_config")
-    return nested if isinstance(nested, dict) else config
+    text = nested if isinstance(nested, dict) else config
+    defaults = _FAMILY_DEFAULTS.get(str(text.get("model_type") or ""))
+    return {**defaults, **text} if defaults else text
 
 
 def model_shape(config: dict[str, Any]) -> ModelShape | None:
-    """The decoder's dimensions; None when ``config.json`` lacks them."""
+    """The decoder's dimensions; None when ``config.json`` lacks them (no guess at heads)."""
     text = text_config(config)
     try:
         hidden = int(text["hidden_size"])
-        heads = int(text.get("num_attention_heads") or 1)
+        heads = int(text["num_attention_heads"])
         rank = text.get("kv_lora_rank")
         return ModelShape(
             layers=int(text["num_hidden_layers"]),
@@ -140,11 +153,17 @@ def model_shape(config: dict[str, Any]) -> ModelShape | None:
         return None
 
 
-def derived_max_len(config: dict[str, Any], tokenizer_config: dict[str, Any] | None = None) -> int:
+def derived_max_len(
+    config: dict[str, Any],
+    tokenizer_config: dict[str, Any] | None = None,
+    *,
+    pooling: bool = False,
+) -> int:
     """The longest sequence vLLM serves the model at when ``--max-model-len`` is not given:
-    the smallest length key of the config, capped by the tokenizer's ``model_max_length``,
-    times a RoPE scaling factor that has not scaled it already (vllm/config/model.py:
-    2527-2634)."""
+    the smallest length key of the config times a RoPE scaling factor that has not scaled it
+    already (vllm/config/model.py:2527-2634). The tokenizer's ``model_max_length`` caps it
+    only for a pooling model with absolute position embeddings: vLLM reads the tokenizer's
+    config for no other (config/model.py:2131-2141)."""
     text = text_config(config)
     found = [
         int(value)
@@ -152,13 +171,15 @@ def derived_max_len(config: dict[str, Any], tokenizer_config: dict[str, Any] | N
         if isinstance(value := text.get(key, config.get(key)), int | float) and value > 0
     ]
     length: float = min(found) if found else math.inf
-    limit = (tokenizer_config or {}).get("model_max_length")
+    absolute = config.get("position_embedding_type") == "absolute"
+    limit = (tokenizer_config or {}).get("model_max_length") if pooling and absolute else None
     if isinstance(limit, int | float) and limit > 0:
         length = min(length, limit)
     if length == math.inf:
         return _DEFAULT_MAX_LEN
     rope = text.get("rope_scaling") or text.get("rope_parameters")
-    if isinstance(rope, dict) and "gemma3" not in str(config.get("model_type", "")):
+    family = str(text.get("model_type") or config.get("model_type") or "")
+    if isinstance(rope, dict) and "gemma3" not in family:
         kind = rope.get("rope_type") or rope.get("type") or "default"
         factor = rope.get("factor")
         if kind not in _ROPE_ALREADY_SCALED and isinstance(factor, int | float) and factor > 0:
@@ -287,8 +308,8 @@ def _quantized_online(name: str, shape: list[int], *, experts_only: bool) -> boo
 
 def checkpoint_quantization(config: dict[str, Any]) -> tuple[str, float | None] | None:
     """The checkpoint's own quantization (``quantization_config``): its method and bits."""
-    settings = config.get("quantization_config") or text_config(config).get("quantization_config")
-    if not isinstance(settings, dict):
+    settings = quantization_settings(config)
+    if settings is None:
         return None
     method = str(settings.get("quant_method") or "quantized").lower()
     for key in ("bits", "w_bit", "weight_bits", "num_bits"):
@@ -305,6 +326,17 @@ def checkpoint_quantization(config: dict[str, Any]) -> tuple[str, float | None] 
     if "fp4" in method:
         return method, 4.0
     return method, None
+
+
+def quantization_settings(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's ``quantization_config`` (or compressed-tensors' older
+    ``compression_config``), from the config or its ``text_config``, as vLLM looks for it
+    (transformers_utils/model_arch_config_convertor.py:263-310)."""
+    for where in (config, text_config(config)):
+        for key in ("quantization_config", "compression_config"):
+            if isinstance(where.get(key), dict):
+                return dict(where[key])
+    return None
 
 
 def _config_parameters(config: dict[str, Any]) -> tuple[int, int, int] | None:

@@ -35,7 +35,30 @@ def check_parallel(
     spans_nodes = layout.backend == "ray" and bool(env.get("RAY_ADDRESS"))
     if runs_on == "gpu" and not spans_nodes and len(gpus) < layout.local_workers:
         problems.append(_too_few_gpus(layout, gpus, env))
+    elif (
+        runs_on == "gpu"
+        and not spans_nodes
+        and len(usable_gpus(gpus, layout)) < layout.local_workers
+    ):
+        problems.append(_mig_slices(layout, gpus))
     return [problem for problem in problems if problem is not None]
+
+
+def usable_gpus(gpus: list[GpuInfo], layout: ParallelLayout) -> list[GpuInfo]:
+    """The GPUs an engine of ``layout`` can spread over: with more than one worker, none of
+    the MIG slices (CUDA shows a process one MIG slice at most)."""
+    return gpus if layout.local_workers <= 1 else [gpu for gpu in gpus if not gpu.is_mig]
+
+
+def _mig_slices(layout: ParallelLayout, gpus: list[GpuInfo]) -> PreflightProblem:
+    slices = [gpu for gpu in gpus if gpu.is_mig]
+    return PreflightProblem(
+        "parallel",
+        f"{layout.describe()} needs {layout.local_workers} GPUs, and MIG slices cannot be among "
+        f"them: CUDA shows a process one MIG slice at most ({len(slices)} of the "
+        f"{len(gpus)} GPUs visible are MIG slices, such as {slices[0].note or slices[0].name})."
+        " Run the engine on one slice (--tensor-parallel-size 1), or on GPUs not in MIG mode.",
+    )
 
 
 def _check_ray(engine_python: str, layout: ParallelLayout) -> PreflightProblem | None:
