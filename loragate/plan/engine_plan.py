@@ -39,11 +39,11 @@ from loragate.plan.cpu import (
 )
 from loragate.plan.engine_spec import engine_spec
 from loragate.plan.gpu.placement import Placement
-from loragate.plan.gpu.serve_plan import plan_one
+from loragate.plan.gpu.serve_plan import memory_problem, plan_one
 from loragate.plan.preflight import check_resolved_model, run_preflight
 from loragate.plan.preflight.host import check_port
 from loragate.plan.preflight.machine import visible_gpus
-from loragate.plan.preflight.problem import PreflightError, PreflightProblem
+from loragate.plan.preflight.problem import PreflightError
 from loragate.plan.tool_parsers import check_tool_parser, tool_call_parser
 from loragate.settings import Settings
 from loragate.supervisor.command import EngineSpec, is_cpu_build
@@ -318,8 +318,8 @@ def _place_on_gpus(settings: Settings, model: _Model, gpu: Placement | None) -> 
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
         )
-    if gpu.fits is False and gpu.reason:
-        raise PreflightError([PreflightProblem("memory", gpu.reason)])
+    if (problem := memory_problem(gpu)) is not None:
+        raise PreflightError([problem])
     if not gpu.fits:
         log.info("GPU plan: %s", gpu.reason)
         return None

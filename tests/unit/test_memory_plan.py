@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from loragate.engine_flags import ParallelLayout
-from loragate.plan.gpu.serve_plan import check_gpu_memory
+from loragate.plan.gpu.serve_plan import memory_problem, plan_one
 from loragate.plan.preflight.machine import GpuInfo, visible_gpus
 from loragate.plan.preflight.memory import MemoryPlan, check_memory, memory_plan
 from loragate.plan.preflight.model_files import served_dtype
@@ -125,7 +125,7 @@ def plan_of(model: Path, *engine_args: str, layout: ParallelLayout | None = None
 
 
 def gpu_check(model: Path, gpus: list[GpuInfo], *engine_args: str) -> str | None:
-    problem = check_gpu_memory(model, gpus, ParallelLayout(), engine_args=list(engine_args))
+    problem = memory_problem(plan_one(model, gpus, ParallelLayout(), engine_args=engine_args))
     assert problem is None or problem.check == "memory"
     return None if problem is None else problem.message
 
@@ -237,8 +237,8 @@ def test_tensor_parallelism_cuts_the_planned_weights(tmp_path: Path) -> None:
     plan = plan_of(model, "--quantization", "fp8", layout=ParallelLayout(tensor=2))
     assert plan.weights_per_gpu == math.ceil(plan.weights_bytes / 2)
     four_gb = [GpuInfo(str(i), "NVIDIA T1000", 4 * GiB, 3 * GiB) for i in range(2)]
-    problem = check_gpu_memory(
-        model, four_gb, ParallelLayout(tensor=2), engine_args=["--quantization", "fp8"]
+    problem = memory_problem(
+        plan_one(model, four_gb, ParallelLayout(tensor=2), engine_args=["--quantization", "fp8"])
     )
     assert problem is not None
     assert problem.message.startswith(

@@ -263,29 +263,9 @@ def write_header(path: Path, tensors: dict[str, Any]) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw)
 
 
-def check_gpu_memory(
-    model_dir: Path,
-    gpus: Sequence[GpuInfo],
-    layout: ParallelLayout,
-    *,
-    engine_args: Sequence[str] | None = None,
-    engine_python: str | None = None,
-    name: str | None = None,
-    max_loras: int = 2,
-    max_lora_rank: int = 16,
-) -> PreflightProblem | None:
-    """The preflight's memory check of one engine on ``gpus``: ``gateway plan``'s reason
-    when the plan refuses it, nothing when it fits or its need cannot be told."""
-    placement = plan_one(
-        model_dir,
-        gpus,
-        layout,
-        engine_args=engine_args,
-        engine_python=engine_python,
-        name=name,
-        max_loras=max_loras,
-        max_lora_rank=max_lora_rank,
-    )
+def memory_problem(placement: Placement) -> PreflightProblem | None:
+    """The preflight's memory check of one planned engine: ``gateway plan``'s reason when the
+    plan refuses it, nothing when it fits or its need cannot be told."""
     if placement.fits is False and placement.reason:
         return PreflightProblem("memory", placement.reason)
     return None

@@ -155,20 +155,19 @@ def _model_checks(
     usable = usable_gpus(gpus, layout)
     if model_dir is not None and runs_on == "gpu" and len(usable) >= layout.local_workers:
         # Imported here: the GPU plan builds on this package's modules.
-        from loragate.plan.gpu.serve_plan import check_gpu_memory
+        from loragate.plan.gpu.serve_plan import memory_problem, plan_one
 
-        problems.append(
-            check_gpu_memory(
-                model_dir,
-                gpus,
-                layout,
-                engine_args=engine_args,
-                engine_python=engine_python,
-                name=model_name,
-                max_loras=lora[0],
-                max_lora_rank=lora[1],
-            )
+        placement = plan_one(
+            model_dir,
+            gpus,
+            layout,
+            engine_args=engine_args,
+            engine_python=engine_python,
+            name=model_name,
+            max_loras=lora[0],
+            max_lora_rank=lora[1],
         )
+        problems.append(memory_problem(placement))
     elif model_dir is not None and runs_on == "cpu":
         available = psutil.virtual_memory().available
         problems.append(
