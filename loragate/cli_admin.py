@@ -105,8 +105,8 @@ def local_admin_token(url: str, cache_dir: Path | None) -> str | None:
     import httpx
 
     from loragate.demo.layout import default_cache_dir
-    from loragate.gateway.admin_token import read_admin_token
-    from loragate.gateway.cross_site import is_loopback
+    from loragate.gateway.access.admin_token import read_admin_token
+    from loragate.gateway.access.cross_site import is_loopback
 
     try:
         host = httpx.URL(url).host

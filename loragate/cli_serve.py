@@ -117,8 +117,8 @@ def serve(
         fail(str(exc), USAGE)
     except PreflightError as exc:
         fail(str(exc), FAILURE)
+    from loragate.gateway.access.auth import KeyConfigError
     from loragate.gateway.app import create_app
-    from loragate.gateway.auth import KeyConfigError
 
     try:
         asgi = create_app(settings)

@@ -13,25 +13,25 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from loragate.gateway import metrics_scrape
-from loragate.gateway.admin_token import (
+from loragate.gateway.access.admin_token import (
     publish_admin_token,
     status_page_url,
     withdraw_admin_token,
 )
-from loragate.gateway.auth import KeyConfigError, check_key_settings
+from loragate.gateway.access.auth import KeyConfigError, check_key_settings
+from loragate.gateway.access.cross_site import is_admin_path, is_loopback
+from loragate.gateway.access.security_headers import SecurityHeaders
 from loragate.gateway.backends.base import GatewayBackend
 from loragate.gateway.backends.custom import InferenceBackend
 from loragate.gateway.backends.custom_adapter import as_gateway_backend
-from loragate.gateway.cross_site import is_admin_path, is_loopback
 from loragate.gateway.errors import OpenAIError, install_error_handlers
-from loragate.gateway.log_tail import recent_gateway_log
-from loragate.gateway.metrics import RequestObserver, route_path
+from loragate.gateway.observe import metrics_scrape
+from loragate.gateway.observe.log_tail import recent_gateway_log
+from loragate.gateway.observe.metrics import RequestObserver, route_path
+from loragate.gateway.observe.spans import enable_spans
 from loragate.gateway.openapi_schemas import install_openapi
 from loragate.gateway.routes import admin, health, inference, passthrough, status, ui
 from loragate.gateway.runtime import Gateway
-from loragate.gateway.security_headers import SecurityHeaders
-from loragate.gateway.spans import enable_spans
 from loragate.settings import Settings
 from loragate.supervisor.systemd import SystemdReporter
 

@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from loragate.gateway.metrics import current_observation
+from loragate.gateway.observe.metrics import current_observation
 
 _TYPES = {
     400: "invalid_request_error",

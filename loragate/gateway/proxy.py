@@ -41,8 +41,8 @@ from starlette.types import Receive, Scope, Send
 
 from loragate.gateway.backends.base import EngineCall
 from loragate.gateway.errors import OpenAIError, error_event
-from loragate.gateway.metrics import current_observation
-from loragate.gateway.tracing import outgoing_trace_headers
+from loragate.gateway.observe.metrics import current_observation
+from loragate.gateway.observe.tracing import outgoing_trace_headers
 from loragate.http.connection import (
     UpstreamBroken,
     UpstreamConnection,

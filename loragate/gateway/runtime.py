@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from loragate.gateway.admin_token import new_admin_token
-from loragate.gateway.auth import HasHeaders, KeyChecker
+from loragate.gateway.access.admin_token import new_admin_token
+from loragate.gateway.access.auth import HasHeaders, KeyChecker
+from loragate.gateway.access.cross_site import CrossSitePolicy, is_loopback
 from loragate.gateway.backends.base import GatewayBackend
-from loragate.gateway.cross_site import CrossSitePolicy, is_loopback
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.generation_routes import BY_KIND, BY_PATH, Route
-from loragate.gateway.metrics import GatewayMetrics
+from loragate.gateway.observe.metrics import GatewayMetrics
 from loragate.gateway.requests.chat import normalize_chat_request
 from loragate.gateway.requests.parameters import check_parameters
 from loragate.gateway.requests.presets import CapFill

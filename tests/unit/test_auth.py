@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from loragate.cli import app as cli_app
-from loragate.gateway import auth
+from loragate.gateway.access import auth
+from loragate.gateway.access.auth import KeyChecker, KeyConfigError, check_key_settings
 from loragate.gateway.app import AdminKeyRequired, create_app
-from loragate.gateway.auth import KeyChecker, KeyConfigError, check_key_settings
 from loragate.gateway.errors import OpenAIError
 from tests.backend_double import RecordingBackend, settings_for
 

@@ -24,8 +24,8 @@ import respx
 from typer.testing import CliRunner
 
 from loragate.cli import app as cli_app
+from loragate.gateway.access.auth import KeyConfigError
 from loragate.gateway.app import create_app
-from loragate.gateway.auth import KeyConfigError
 from tests.backend_double import ManagedBackendDouble, free_port, serving, settings_for
 
 EVIL = "http://evil.example"

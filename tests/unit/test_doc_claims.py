@@ -43,7 +43,7 @@ from starlette.routing import BaseRoute, Route
 from loragate.cli import HELP_OPTIONS, app
 from loragate.engine_flags import OWNED_FLAGS, flag_name
 from loragate.gateway.app import AdminKeyRequired, create_app
-from loragate.gateway.metrics_scrape import RESIDENCIES
+from loragate.gateway.observe.metrics_scrape import RESIDENCIES
 from loragate.settings import Settings
 from tests.backend_double import RecordingBackend, settings_for
 from tests.readme_blocks import README, ROOT, pages, readme_blocks

@@ -25,10 +25,10 @@ from fastapi import FastAPI, Request
 from PIL import Image
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from loragate.gateway.access.engine_allow_list import ENGINE_ROUTES, engine_route
 from loragate.gateway.app import create_app
 from loragate.gateway.backends.supervised import AnyVersionRename
-from loragate.gateway.engine_allow_list import ENGINE_ROUTES, engine_route
-from loragate.gateway.tracing import trace_headers_of
+from loragate.gateway.observe.tracing import trace_headers_of
 from loragate.settings import Settings
 from tests.backend_double import serving
 

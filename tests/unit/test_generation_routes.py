@@ -22,7 +22,7 @@ from loragate.gateway.generation_routes import (
     Route,
     kind_of,
 )
-from loragate.gateway.metrics import observed_route
+from loragate.gateway.observe.metrics import observed_route
 from loragate.gateway.openapi_schemas import install_openapi
 from loragate.gateway.requests.parameters import ROUTES
 from loragate.gateway.routes.inference import HOT_ROUTES

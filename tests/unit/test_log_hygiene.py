@@ -23,7 +23,7 @@ import orjson
 import pytest
 
 from loragate.gateway.app import create_app
-from loragate.gateway.log_tail import engine_lines
+from loragate.gateway.observe.log_tail import engine_lines
 from loragate.logs import FORMAT, JsonFormatter, SafeFormatter, loggable, printable
 from loragate.settings.supervision import SupervisionFields
 from loragate.supervisor.command import EngineSpec, redacted, secret_values

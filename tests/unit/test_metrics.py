@@ -14,14 +14,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loragate.adapters.stats import AdapterStats
 from loragate.gateway.app import create_app
-from loragate.gateway.metrics import (
+from loragate.gateway.observe.metrics import (
     UNKNOWN_MODEL,
     GatewayMetrics,
     Histogram,
     RequestObservation,
     RequestObserver,
 )
-from loragate.gateway.metrics_scrape import exposition, request_families
+from loragate.gateway.observe.metrics_scrape import exposition, request_families
 from loragate.settings import Settings
 from loragate.supervisor.states import EngineState
 from tests.backend_double import ProxiedBackend, adapter_stats, engine_snapshot

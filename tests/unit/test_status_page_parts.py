@@ -16,8 +16,8 @@ from loragate.adapters.manifest import Manifest
 from loragate.adapters.provenance import Provenance
 from loragate.adapters.store import AdapterStore
 from loragate.fetching.progress import WaitProgress, report_bytes, report_stage
-from loragate.gateway.log_tail import engine_lines, gateway_lines, merged
-from loragate.gateway.traffic import RecentTraffic
+from loragate.gateway.observe.log_tail import engine_lines, gateway_lines, merged
+from loragate.gateway.observe.traffic import RecentTraffic
 from tests.unit.test_manager_event_loop import QuietEngine, ServingSupervisor, adapter_source
 
 

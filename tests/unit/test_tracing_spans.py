@@ -1,4 +1,4 @@
-"""The gateway's own OpenTelemetry spans (``loragate.gateway.spans``), sent over OTLP/HTTP to a
+"""The gateway's own OpenTelemetry spans (``loragate.gateway.observe.spans``), sent over OTLP/HTTP to a
 collector stand-in on a real socket, for real requests to ``gateway serve``'s hot path."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from loragate.gateway import spans
 from loragate.gateway.app import create_app
-from loragate.gateway.tracing import outgoing_trace_headers
+from loragate.gateway.observe import spans
+from loragate.gateway.observe.tracing import outgoing_trace_headers
 from loragate.settings import Settings
 from loragate.supervisor.command import EngineSpec, engine_argv
 from tests.backend_double import ProxiedBackend, serving

@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from loragate.adapters.stats import AdapterStats
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.metrics import ask_for_usage
+from loragate.gateway.observe.metrics import ask_for_usage
 from loragate.supervisor.states import EngineSnapshot
 
 

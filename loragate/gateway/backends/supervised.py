@@ -26,11 +26,11 @@ from loragate.adapters.stats import AdapterStats
 from loragate.adapters.wiring import adapter_manager_for, fleet_reconciler_for
 from loragate.engine_flags import engine_arg_value
 from loragate.fetching.progress import WaitProgress, current_progress
-from loragate.gateway import spans
 from loragate.gateway.backends.adapter_admin import AdapterAdmin
 from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
 from loragate.gateway.errors import OpenAIError, model_not_found
+from loragate.gateway.observe import spans
 from loragate.gateway.proxy import (
     AnyVersionRename,
     ProxyClient,

@@ -21,15 +21,15 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from loragate.gateway import spans
-from loragate.gateway.auth import HasHeaders
+from loragate.gateway.access.auth import HasHeaders
 from loragate.gateway.backends.base import KnowsContextLength, ListsModels, ResolvesModels
 from loragate.gateway.errors import OpenAIError, client_closed, model_not_found
 from loragate.gateway.generation_routes import CHAT, COMPLETIONS, GENERATION_ROUTES, Route
-from loragate.gateway.metrics import current_observation
+from loragate.gateway.observe import spans
+from loragate.gateway.observe.metrics import current_observation
+from loragate.gateway.observe.tracing import start_trace
 from loragate.gateway.requests.body import read_json_object
 from loragate.gateway.runtime import Gateway
-from loragate.gateway.tracing import start_trace
 
 router = APIRouter()
 

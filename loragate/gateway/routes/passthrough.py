@@ -27,10 +27,10 @@ from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
+from loragate.gateway.access.engine_allow_list import ENGINE_ROUTES, EngineRoute
 from loragate.gateway.backends.base import EngineCall, RelaysEngineCalls, ServesPresets
-from loragate.gateway.engine_allow_list import ENGINE_ROUTES, EngineRoute
 from loragate.gateway.errors import OpenAIError, model_not_found
-from loragate.gateway.metrics import current_observation
+from loragate.gateway.observe.metrics import current_observation
 from loragate.gateway.requests.body import check_declared_length, read_json_object, too_large
 from loragate.gateway.requests.content_parts import check_forwarded_media
 from loragate.gateway.routes.inference import (

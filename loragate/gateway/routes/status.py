@@ -25,7 +25,7 @@ from loragate.gateway.backends.base import (
     engine_snapshot_of,
 )
 from loragate.gateway.backends.engine_metrics import kv_cache_usage
-from loragate.gateway.log_tail import engine_lines, gateway_lines, merged
+from loragate.gateway.observe.log_tail import engine_lines, gateway_lines, merged
 from loragate.gateway.runtime import Gateway
 from loragate.logs import loggable_in
 

@@ -19,8 +19,8 @@ from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any, Protocol
 
+from loragate.gateway.access.security_headers import SECURITY_HEADERS
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.security_headers import SECURITY_HEADERS
 
 log = logging.getLogger("loragate.gateway")
 

@@ -24,8 +24,14 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from loragate.gateway.access.security_headers import SECURITY_HEADERS
 from loragate.gateway.errors import OpenAIError, nested_too_deeply
-from loragate.gateway.metrics import RequestObservation, current_observation, note_sent, settle
+from loragate.gateway.observe.metrics import (
+    RequestObservation,
+    current_observation,
+    note_sent,
+    settle,
+)
 from loragate.gateway.proxy import RelayResponse
 from loragate.gateway.requests.body import (
     check_declared_length,
@@ -35,7 +41,6 @@ from loragate.gateway.requests.body import (
 )
 from loragate.gateway.routes import inference
 from loragate.gateway.runtime import Gateway
-from loragate.gateway.security_headers import SECURITY_HEADERS
 from loragate.gateway.server.exchange import ClientGone, Exchange
 
 log = logging.getLogger("loragate.gateway")

@@ -46,7 +46,7 @@ from loragate.gateway.backends.base import (
 from loragate.supervisor.states import RESIDENCIES, EngineSnapshot, EngineState
 
 if TYPE_CHECKING:
-    from loragate.gateway.metrics import GatewayMetrics
+    from loragate.gateway.observe.metrics import GatewayMetrics
     from loragate.gateway.runtime import Gateway
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

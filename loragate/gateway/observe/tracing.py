@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from contextvars import ContextVar
 
-from loragate.gateway import spans
+from loragate.gateway.observe import spans
 from loragate.logs import request_ids
 
 # version "00": 2-hex version, 32-hex trace id, 16-hex parent id, 2-hex flags; later versions

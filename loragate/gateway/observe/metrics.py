@@ -30,10 +30,10 @@ from typing import Any
 from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loragate.gateway import spans
-from loragate.gateway.engine_allow_list import engine_route
+from loragate.gateway.access.engine_allow_list import engine_route
 from loragate.gateway.generation_routes import HOT_PATHS
-from loragate.gateway.traffic import RecentTraffic
+from loragate.gateway.observe import spans
+from loragate.gateway.observe.traffic import RecentTraffic
 from loragate.logs import loggable
 
 log = logging.getLogger("loragate.gateway")
