@@ -138,7 +138,7 @@ def systemd_unit(
 ) -> None:
     """Print a sandboxed Type=notify systemd unit that runs `gateway serve` from this install,
     with its state in /var/lib/loragate and its cache in /var/cache/loragate."""
-    from loragate.supervisor.systemd import default_exec_start, render_unit
+    from loragate.systemd import default_exec_start, render_unit
 
     env_file = environment_file or (
         Path("~/.config/loragate/env").expanduser() if user_mode else Path("/etc/loragate/env")

@@ -19,14 +19,14 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from loragate.adapters.stats import AdapterStats
+from loragate.engine_states import EngineSnapshot, EngineState
 from loragate.fetching.progress import ProgressBoard
 from loragate.gateway.app import create_app
-from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
 from loragate.gateway.backends.supervised import SupervisedEngineBackend
 from loragate.gateway.proxy import ProxyClient
 from loragate.gateway.server.serve import GatewayServer
+from loragate.serving.engine_metrics import scrape_engine_metrics
 from loragate.settings import Settings
-from loragate.supervisor.states import EngineSnapshot, EngineState
 
 
 @dataclass

@@ -44,11 +44,11 @@ from loragate.adapters.stats import AdapterStats
 from loragate.adapters.store import AdapterStore, TamperedAdapterError
 from loragate.adapters.watch import AdapterFollower, StoreWatch
 from loragate.adapters.zero_adapter import write_zero_adapter
+from loragate.engine_states import EngineState
 from loragate.fetching.progress import ProgressBoard
 from loragate.logs import redact_urls
 from loragate.supervisor.client import EngineClient, EngineRefused
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
-from loragate.supervisor.states import EngineState
 
 log = logging.getLogger("loragate.adapters")
 

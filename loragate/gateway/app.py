@@ -33,7 +33,7 @@ from loragate.gateway.openapi_schemas import install_openapi
 from loragate.gateway.routes import admin, health, inference, passthrough, status, ui
 from loragate.gateway.runtime import Gateway
 from loragate.settings import Settings
-from loragate.supervisor.systemd import SystemdReporter
+from loragate.systemd import SystemdReporter
 
 log = logging.getLogger("loragate.gateway")
 

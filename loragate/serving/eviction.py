@@ -39,8 +39,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from loragate.engine_states import ASLEEP, COLD, LOADING, RESIDENT
 from loragate.plan.gpu.placement import fits_on_gpus
-from loragate.supervisor.states import ASLEEP, COLD, LOADING, RESIDENT
 
 # The residencies whose engine holds its memory: up and awake, or on its way up or down.
 TAKES_ROOM = frozenset({RESIDENT, LOADING})
@@ -52,7 +52,7 @@ _COUNT, _BUDGET = "max_loaded_models", "memory_budget"
 class Occupant:
     """A model of the catalog other than the newcomer, as the room decision sees it.
 
-    ``residency`` is the catalog's word for it (``loragate.supervisor.states``), except that a
+    ``residency`` is the catalog's word for it (``loragate.engine_states``), except that a
     model still being prepared, with no engine yet, is ``cold`` here: it holds nothing.
     ``requests``: in flight, or waiting for its engine. ``last_used``: when its last request
     ended (monotonic seconds). ``memory_bytes`` and ``held_bytes`` (by GPU number): what its

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from loragate.engine_states import listed_max_model_len
 from loragate.http import oneshot
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 
@@ -85,15 +86,6 @@ class EngineClient:
 
     async def aclose(self) -> None:
         """Nothing to close: each call has its own connection (kept for the backend's stop)."""
-
-
-def listed_max_model_len(listing: Any) -> int | None:
-    """The ``max_model_len`` of the first entry of an OpenAI model list (vLLM gives every
-    entry, base and adapters, the engine's one context length); None when it has none."""
-    items = listing.get("data") if isinstance(listing, dict) else None
-    first = items[0] if isinstance(items, list) and items else None
-    value = first.get("max_model_len") if isinstance(first, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _json(response: oneshot.PlainResponse) -> Any:

@@ -29,6 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loragate.engine_states import (
+    RECOVERING,
+    SERVING,
+    EngineSnapshot,
+    EngineState,
+    check_transition,
+)
 from loragate.http import oneshot
 from loragate.settings.supervision import SupervisionFields
 from loragate.supervisor.command import EngineSpec, engine_argv, engine_env
@@ -43,13 +50,6 @@ from loragate.supervisor.failure import (
 from loragate.supervisor.output import boot_phase, tail_lines
 from loragate.supervisor.process import EngineProcess
 from loragate.supervisor.spare import SpareEngines
-from loragate.supervisor.states import (
-    RECOVERING,
-    SERVING,
-    EngineSnapshot,
-    EngineState,
-    check_transition,
-)
 from loragate.supervisor.unix_socket import EngineSocket, EngineSocketError
 
 # Where a booted engine listens and the key it takes: all a client of the engine needs.

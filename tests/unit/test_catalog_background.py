@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from loragate.demo.layout import demo_base_dir
+from loragate.engine_states import EngineState
 from loragate.gateway.backends.catalog import CatalogBackend
-from loragate.supervisor.states import EngineState
 from tests.unit.test_catalog import catalog_settings
 
 

@@ -25,6 +25,7 @@ import pytest
 import pytest_asyncio
 
 from loragate.demo.layout import demo_adapter_dir, demo_base_dir
+from loragate.engine_states import EngineState
 from loragate.gateway.app import create_app
 from loragate.gateway.backends.catalog import CatalogBackend
 from loragate.gateway.errors import OpenAIError
@@ -35,7 +36,6 @@ from loragate.settings.supervision import SupervisionFields
 from loragate.supervisor.client import EngineClient
 from loragate.supervisor.command import EngineSpec
 from loragate.supervisor.engine import EngineSupervisor
-from loragate.supervisor.states import EngineState
 from tests.backend_double import serving
 from tests.unit.test_catalog import ADMIN, STAND_IN, catalog, catalog_settings, chat, residency
 from tests.unit.test_catalog import wait_for as wait_until

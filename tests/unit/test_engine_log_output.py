@@ -23,6 +23,7 @@ import httpx
 import pytest
 from starlette.responses import Response
 
+from loragate.engine_states import EngineState
 from loragate.gateway.app import create_app
 from loragate.logs import JsonFormatter, configure_logging, echo_line
 from loragate.settings.supervision import SupervisionFields
@@ -30,7 +31,6 @@ from loragate.supervisor.command import EngineSpec, engine_argv
 from loragate.supervisor.engine import EngineSupervisor
 from loragate.supervisor.failure import last_boot_lines
 from loragate.supervisor.output import EngineLogFile, EngineOutput, tail_lines
-from loragate.supervisor.states import EngineState
 from tests.backend_double import RecordingBackend, settings_for
 
 SECRET = "hf_EchoSeCrEt0123456789"

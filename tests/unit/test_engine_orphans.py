@@ -23,11 +23,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from loragate.engine_states import EngineState
 from loragate.settings.supervision import SupervisionFields
 from loragate.supervisor.command import EngineSpec
 from loragate.supervisor.engine import EngineSupervisor
 from loragate.supervisor.process import ENGINE_TAG, CacheDirInUse, EnginePidFile, GatewayLock
-from loragate.supervisor.states import EngineState
 from tools.bench.targets import write_fake_model
 from tools.harness import GatewayProcess, wait_gone
 

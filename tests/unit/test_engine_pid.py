@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from loragate.engine_states import EngineState
 from loragate.supervisor.process import EngineProcess
-from loragate.supervisor.states import EngineState
 from tests.unit.test_engine_orphans import FAKE_ENGINE, supervisor
 
 # An "API server" that leaves an orphan (a double fork) under the launcher, then serves.

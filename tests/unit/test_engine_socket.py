@@ -23,13 +23,13 @@ import psutil
 import pytest
 import pytest_asyncio
 
+from loragate.engine_states import EngineState
 from loragate.gateway.proxy import ProxyClient, UpstreamUnreachable
 from loragate.http import oneshot
 from loragate.settings.supervision import SupervisionFields
 from loragate.supervisor.client import EngineClient
 from loragate.supervisor.command import EngineSpec, engine_argv
 from loragate.supervisor.engine import EngineSupervisor
-from loragate.supervisor.states import EngineState
 from loragate.supervisor.unix_socket import (
     MAX_SOCKET_PATH,
     EngineSocket,

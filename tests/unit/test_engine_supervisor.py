@@ -22,10 +22,10 @@ import psutil
 import pytest
 import pytest_asyncio
 
+from loragate.engine_states import RECOVERING, TRANSITIONS, EngineState
 from loragate.settings.supervision import SupervisionFields
 from loragate.supervisor.command import EngineSpec
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
-from loragate.supervisor.states import RECOVERING, TRANSITIONS, EngineState
 
 FAKE_ENGINE = [sys.executable, "-m", "tools.bench.fake_engine"]
 # Fails the way vLLM does on a configuration error: the root cause, then the API server's

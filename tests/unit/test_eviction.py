@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from loragate.engine_states import ASLEEP, COLD, FAILED, LOADING, RESIDENT
 from loragate.serving.eviction import (
     Eviction,
     Occupant,
@@ -19,7 +20,6 @@ from loragate.serving.eviction import (
     past_ttl,
     room_for,
 )
-from loragate.supervisor.states import ASLEEP, COLD, FAILED, LOADING, RESIDENT
 
 GIB = 2**30
 

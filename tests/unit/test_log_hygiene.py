@@ -22,13 +22,13 @@ import httpx
 import orjson
 import pytest
 
+from loragate.engine_states import EngineState
 from loragate.gateway.app import create_app
 from loragate.gateway.observe.log_tail import engine_lines
 from loragate.logs import FORMAT, JsonFormatter, SafeFormatter, loggable, printable
 from loragate.settings.supervision import SupervisionFields
 from loragate.supervisor.command import EngineSpec, redacted, secret_values
 from loragate.supervisor.engine import EngineSupervisor
-from loragate.supervisor.states import EngineState
 from tests.backend_double import ManagedBackendDouble, RecordingBackend, serving, settings_for
 
 FORGED_PATH = "/v1/responses/x%0aFORGED%1b[31m"

@@ -13,6 +13,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from loragate.adapters.stats import AdapterStats
+from loragate.engine_states import EngineState
 from loragate.gateway.app import create_app
 from loragate.gateway.observe.metrics import (
     UNKNOWN_MODEL,
@@ -23,7 +24,6 @@ from loragate.gateway.observe.metrics import (
 )
 from loragate.gateway.observe.metrics_scrape import exposition, request_families
 from loragate.settings import Settings
-from loragate.supervisor.states import EngineState
 from tests.backend_double import ProxiedBackend, adapter_stats, engine_snapshot
 from tools.bench.fake_engine import FakeEngine, start_server
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loragate.supervisor.systemd import SystemdNotifier, watchdog_loop
+from loragate.systemd import SystemdNotifier, watchdog_loop
 
 # sockaddr_un holds 108 bytes; pytest's tmp_path for a long test name can exceed that.
 _MAX_SOCKET_PATH = 100

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from loragate.cli import app as cli_app
-from loragate.supervisor.systemd import default_exec_start, quote_exec_arg, render_unit
+from loragate.systemd import default_exec_start, quote_exec_arg, render_unit
 
 
 def unit_lines(text: str) -> list[str]:

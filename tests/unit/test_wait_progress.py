@@ -32,7 +32,7 @@ from loragate.base_model import gguf as gguf_model
 from loragate.base_model.resolve import base_model_ignore_patterns, resolve_base_model
 from loragate.fetching.progress import ProgressBoard, WaitProgress, current_progress
 from loragate.gateway.app import create_app
-from loragate.supervisor.systemd import SystemdNotifier, extend_start_while
+from loragate.systemd import SystemdNotifier, extend_start_while
 from tests.backend_double import serving, settings_for
 
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"

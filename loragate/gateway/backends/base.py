@@ -11,9 +11,9 @@ import orjson
 from starlette.responses import Response
 
 from loragate.adapters.stats import AdapterStats
+from loragate.engine_states import EngineSnapshot
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.observe.metrics import ask_for_usage
-from loragate.supervisor.states import EngineSnapshot
 
 
 class GatewayBackend(Protocol):

@@ -30,13 +30,14 @@ from typing import Any
 
 from starlette.responses import Response
 
+from loragate.engine_states import COLD, FAILED, LOADING, RESIDENT, EngineSnapshot, EngineState
 from loragate.gateway.backends.base import EngineCall
-from loragate.gateway.backends.engine_metrics import merge_catalog_metrics
 from loragate.gateway.backends.supervised import SupervisedEngineBackend
 from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.periodic import PeriodicTask
 from loragate.plan.engine_spec import model_settings
 from loragate.serving.adapter_search import AdapterNotFound, AdapterSearch
+from loragate.serving.engine_metrics import merge_catalog_metrics
 from loragate.serving.eviction import Occupant, past_ttl
 from loragate.serving.room import CatalogRoom
 from loragate.serving.sleep import asleep_hold, put_to_sleep, wake
@@ -45,8 +46,7 @@ from loragate.settings.catalog import CatalogModel
 from loragate.supervisor.command import engine_base_env
 from loragate.supervisor.engine import EngineUnavailable
 from loragate.supervisor.spare import spare_engines
-from loragate.supervisor.states import COLD, FAILED, LOADING, RESIDENT, EngineSnapshot, EngineState
-from loragate.supervisor.systemd import AllStarts
+from loragate.systemd import AllStarts
 
 log = logging.getLogger("loragate.gateway")
 

@@ -25,10 +25,10 @@ from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.stats import AdapterStats
 from loragate.adapters.wiring import adapter_manager_for, fleet_reconciler_for
 from loragate.engine_flags import engine_arg_value
+from loragate.engine_states import EngineSnapshot, EngineState, residency
 from loragate.fetching.progress import WaitProgress, current_progress
 from loragate.gateway.backends.adapter_admin import AdapterAdmin
 from loragate.gateway.backends.base import EngineCall, json_post
-from loragate.gateway.backends.engine_metrics import scrape_engine_metrics
 from loragate.gateway.errors import OpenAIError, model_not_found
 from loragate.gateway.observe import spans
 from loragate.gateway.proxy import (
@@ -42,14 +42,14 @@ from loragate.gateway.requests.presets import parameter_rules, shaped_body
 from loragate.plan.engine_plan import EnginePlan, plan_engine
 from loragate.plan.gpu.placement import Placement
 from loragate.plan.preflight.problem import PreflightError
+from loragate.serving.engine_metrics import scrape_engine_metrics
 from loragate.settings import Settings
 from loragate.supervisor.client import EngineClient
 from loragate.supervisor.command import EngineSpec
 from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
 from loragate.supervisor.process import GatewayLock, tree_rss_bytes
 from loragate.supervisor.spare import SpareEngines, spare_engines
-from loragate.supervisor.states import EngineSnapshot, EngineState, residency
-from loragate.supervisor.systemd import ServiceStart
+from loragate.systemd import ServiceStart
 
 log = logging.getLogger("loragate.gateway")
 

@@ -20,13 +20,13 @@ from urllib.parse import urlsplit
 
 from starlette.responses import Response
 
+from loragate.engine_states import listed_max_model_len
 from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import ProxyClient, Rename
 from loragate.http import oneshot
 from loragate.logs import redact, redact_urls
 from loragate.settings import Settings
-from loragate.supervisor.client import listed_max_model_len
 
 log = logging.getLogger("loragate.gateway")
 

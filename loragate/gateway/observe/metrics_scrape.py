@@ -37,13 +37,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from loragate.adapters.stats import AdapterStats
+from loragate.engine_states import RESIDENCIES, EngineSnapshot, EngineState
 from loragate.gateway.backends.base import (
     CatalogAdmin,
     adapter_stats_of,
     engine_metrics_of,
     engine_snapshot_of,
 )
-from loragate.supervisor.states import RESIDENCIES, EngineSnapshot, EngineState
 
 if TYPE_CHECKING:
     from loragate.gateway.observe.metrics import GatewayMetrics

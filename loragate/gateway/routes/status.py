@@ -24,10 +24,10 @@ from loragate.gateway.backends.base import (
     engine_metrics_of,
     engine_snapshot_of,
 )
-from loragate.gateway.backends.engine_metrics import kv_cache_usage
 from loragate.gateway.observe.log_tail import engine_lines, gateway_lines, merged
 from loragate.gateway.runtime import Gateway
 from loragate.logs import loggable_in
+from loragate.serving.engine_metrics import kv_cache_usage
 
 HEARTBEAT_SECONDS = 5.0
 # A followed tail ends after this long and the page asks again: no stream outlives its use

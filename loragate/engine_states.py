@@ -5,6 +5,9 @@ stopped -> starting -> ready <-> unhealthy
               v          v          v
            restarting (backoff) -> starting ... or -> failed (crash loop / cannot boot)
 any running state -> stopping -> stopped;  failed -> starting (admin restart)
+
+With what an engine reports in those states (``EngineSnapshot``), a model's residency, and the
+context length an OpenAI model list gives (``listed_max_model_len``).
 """
 
 from __future__ import annotations
@@ -105,3 +108,12 @@ def residency(state: EngineState, *, prepared: bool, failed: bool, asleep: bool)
     if state == EngineState.STOPPED and prepared:
         return COLD
     return LOADING
+
+
+def listed_max_model_len(listing: Any) -> int | None:
+    """The ``max_model_len`` of the first entry of an OpenAI model list (vLLM gives every
+    entry, base and adapters, the engine's one context length); None when it has none."""
+    items = listing.get("data") if isinstance(listing, dict) else None
+    first = items[0] if isinstance(items, list) and items else None
+    value = first.get("max_model_len") if isinstance(first, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
