@@ -22,7 +22,7 @@ from loragate.adapters.stats import AdapterStats
 from loragate.engine_states import EngineSnapshot, EngineState
 from loragate.fetching.progress import ProgressBoard
 from loragate.gateway.app import create_app
-from loragate.gateway.backends.supervised import SupervisedEngineBackend
+from loragate.gateway.backends.managed import ManagedBackend
 from loragate.gateway.proxy import ProxyClient
 from loragate.gateway.server.serve import GatewayServer
 from loragate.serving.engine_metrics import scrape_engine_metrics
@@ -78,6 +78,21 @@ class AdapterManagerDouble:
 
     def list(self) -> list[dict[str, Any]]:
         return [{"name": "pong", "version": "0" * 64, "state": "serving", "source": "/pong"}]
+
+    def public_models(self) -> list[str]:
+        return [self.base_name, *(adapter["name"] for adapter in self.list())]
+
+    def manifest_names(self) -> set[str]:
+        return set()
+
+    def store_size(self) -> int:
+        return 0
+
+    def stats(self, store_bytes: int) -> AdapterStats:
+        return adapter_stats(store_bytes=store_bytes)
+
+    def model_preset(self, name: str) -> dict[str, Any] | None:
+        return None
 
     async def put(
         self,
@@ -139,6 +154,8 @@ class EngineSupervisorDouble:
 
     serving = False  # so /metrics does not scrape an engine
     endpoint = None
+    asleep = False
+    boot_progress = None
 
     def __init__(self) -> None:
         self.restart_requests = 0
@@ -166,21 +183,41 @@ class EngineSupervisorDouble:
 _NOWHERE = Path("/nonexistent/loragate-backend-double")
 
 
-class ManagedBackendDouble(RecordingBackend, SupervisedEngineBackend):
-    """A backend with the supervised engine's admin routes, answered by doubles: the admin
-    API runs for real (keys, bodies, routes) and nothing is spawned, locked or written."""
+class ManagedBackendDouble(RecordingBackend, ManagedBackend):
+    """A backend with the managed engine's admin routes, answered by doubles: the admin
+    API runs for real (keys, bodies, routes, the catalog of one and its model's runtime) and
+    nothing is spawned, locked or written."""
 
     def __init__(self) -> None:
         RecordingBackend.__init__(self)
         # Built as the gateway builds it (nothing is spawned, locked or written until start),
-        # then its engine and adapters swapped for doubles.
-        SupervisedEngineBackend.__init__(self, Settings(cache_dir=_NOWHERE))
+        # then its one model's engine and adapters swapped for doubles.
+        ManagedBackend.__init__(self, Settings(cache_dir=_NOWHERE))
+        (self.runtime,) = self.catalog.entries.values()
         self.adapters = AdapterManagerDouble()
-        self.supervisor = EngineSupervisorDouble()  # type: ignore[assignment]
-        self.base_name = self.adapters.base_name
-        self._prepared.set()
+        self.supervisor = EngineSupervisorDouble()
+        self.runtime.base_name = self.adapters.base_name
+        self.runtime._prepared.set()
         self.starts = 0
         self.stops = 0
+
+    @property
+    def adapters(self) -> Any:
+        """The model's adapter manager (a test may swap in another, a real one)."""
+        return self.runtime.manager
+
+    @adapters.setter
+    def adapters(self, manager: Any) -> None:
+        self.runtime.manager = manager
+
+    @property
+    def supervisor(self) -> Any:
+        """The model's engine supervisor (a test may swap in another, a real one)."""
+        return self.runtime.supervisor
+
+    @supervisor.setter
+    def supervisor(self, supervisor: Any) -> None:
+        self.runtime.supervisor = supervisor
 
     async def start(self) -> None:
         self.starts += 1
@@ -195,9 +232,6 @@ class ManagedBackendDouble(RecordingBackend, SupervisedEngineBackend):
         if not self.starts:
             return False, {"status": "starting"}
         return True, {"status": "healthy", "models": self.model_ids()}
-
-    def require_manager(self) -> Any:
-        return self.adapters
 
     def max_model_len(self) -> int | None:
         return None  # no engine has booted to say

@@ -15,7 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "loragate"
 LEAVES = {"loragate.http", "loragate.logs", "loragate.paths", "loragate.model_names",
-          "loragate.engine_flags", "loragate.periodic"}  # fmt: skip
+          "loragate.engine_flags", "loragate.periodic", "loragate.engine_states",
+          "loragate.systemd"}  # fmt: skip
 CONFIG = "loragate.settings"  # a package: ``Settings`` and its field groups
 
 

@@ -2,7 +2,7 @@
 dequantization, the engine's boot. Stage, bytes done of total, percent, rate and a message.
 
 The manager starts one ``WaitProgress`` per ``put`` and makes it the current one (a context
-variable) while the add runs; the supervised backend does the same for the gateway's start
+variable) while the add runs; a model's runtime does the same for the gateway's start
 (base model download, GGUF dequantization, engine boot). The work runs in worker threads
 (``asyncio.to_thread`` copies the context along), so the code that fetches, converts and
 validates reports into the same record without being handed it: ``report_stage``,

@@ -186,16 +186,13 @@ def create_app(
         from loragate.gateway.backends.upstream import UpstreamBackend
 
         backend = UpstreamBackend(settings)
-    elif settings.models:
-        from loragate.gateway.backends.catalog import CatalogBackend
-
-        backend = CatalogBackend(settings)
     else:
-        from loragate.gateway.backends.supervised import SupervisedEngineBackend
+        from loragate.gateway.backends.managed import managed_backend
         from loragate.plan.engine_plan import require_model
 
-        require_model(settings)  # the demo only when asked for, never as a fallback
-        backend = SupervisedEngineBackend(settings)
+        if not settings.models:
+            require_model(settings)  # the demo only when asked for, never as a fallback
+        backend = managed_backend(settings)
     enable_spans(settings)  # imports OpenTelemetry only when an endpoint is set
     gateway = Gateway(settings, backend)
     lifecycle = BackendLifecycle(gateway, len(inference_keys))

@@ -11,7 +11,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from loragate.adapters.errors import AdapterError
 from loragate.gateway.observe.metrics import current_observation
+from loragate.serving.errors import (
+    AmbiguousBase,
+    ModelNotFound,
+    NotServing,
+    OwnedByManifest,
+    ServingError,
+    UnknownAdapter,
+)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -74,11 +83,32 @@ class OpenAIError(Exception):
 
 
 def model_not_found(model: str, valid: list[str]) -> OpenAIError:
+    return openai_error_of(ModelNotFound(model, valid))
+
+
+# The status each refusal of the serving core answers with.
+_SERVING_STATUS: dict[type[ServingError], int] = {
+    ModelNotFound: 404,
+    NotServing: 503,
+    UnknownAdapter: 404,
+    OwnedByManifest: 409,
+    AmbiguousBase: 400,
+}
+
+
+def openai_error_of(exc: ServingError | AdapterError) -> OpenAIError:
+    """A refusal of the serving core, or an adapter operation's failure, as a client sees it:
+    a model nobody serves a 404 on ``model``, a model that cannot take it now a 503 with its
+    ``Retry-After``, an adapter's failure with the status it names."""
+    if isinstance(exc, AdapterError):
+        return OpenAIError(exc.status, str(exc), code=exc.code)
+    retry_after = exc.retry_after if isinstance(exc, NotServing) else None
     return OpenAIError(
-        404,
-        f"The model `{model}` does not exist. Valid models: {', '.join(valid)}",
-        code="model_not_found",
-        param="model",
+        _SERVING_STATUS[type(exc)],
+        exc.message,
+        code=exc.code,
+        param="model" if isinstance(exc, ModelNotFound) else None,
+        headers={"Retry-After": str(retry_after)} if retry_after is not None else None,
     )
 
 

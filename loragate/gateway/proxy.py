@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from collections.abc import Callable
-from functools import lru_cache
 from typing import Any
 
 from starlette.responses import Response
@@ -53,6 +51,7 @@ from loragate.http.connection import (
 from loragate.http.pool import Pool, Unreachable
 from loragate.http.sse import EventSplitter, event_around
 from loragate.http.wire import Origin, request_bytes, target
+from loragate.serving.engine_names import Rename
 from loragate.settings.request_limits import MAX_ANSWER_BYTES
 
 
@@ -74,63 +73,6 @@ class ResendBudget:
                 return False
             self._resent_maybe_delivered = True
         return True
-
-
-class Rename:
-    """Rewrite engine id ``internal`` to ``public`` in answers."""
-
-    __slots__ = ("_field_from", "_field_to", "internal", "public")
-
-    def __init__(self, internal: bytes, public: bytes) -> None:
-        self.internal = internal
-        self.public = public
-        self._field_from = b'"model":"' + internal + b'"'
-        self._field_to = b'"model":"' + public + b'"'
-
-    @classmethod
-    @lru_cache(maxsize=256)
-    def of(cls, internal: str, public: str) -> Rename | None:
-        if internal == public:
-            return None
-        return cls(internal.encode(), public.encode())
-
-    def model_field(self, data: bytes) -> bytes:
-        return data.replace(self._field_from, self._field_to)
-
-    def everywhere(self, data: bytes) -> bytes:
-        return data.replace(self.internal, self.public)
-
-
-# Engine ids back to public names, in answers whose request named no model.
-#
-# An answer to ``GET /v1/responses/{id}`` carries whatever adapter version served the response
-# (``fox@0123456789ab``), which may since have been swapped out: every version id, current or
-# not, goes back to its public name, and the zero adapter's (base requests on the CPU build)
-# to the base model's.
-_MODEL_FIELD = re.compile(rb'"model":"(([^"\\@]+)@[0-9a-f]{12})"')
-_ANYWHERE = re.compile(rb"(([A-Za-z0-9_][A-Za-z0-9._-]*)@[0-9a-f]{12})\b")
-
-
-class AnyVersionRename(Rename):
-    """Every ``NAME@VERSION`` engine id to ``NAME``; the base's engine id to the base name."""
-
-    __slots__ = ("_base_id",)
-
-    def __init__(self, base_engine_id: str, base_name: str) -> None:
-        super().__init__(base_engine_id.encode(), base_name.encode())
-        self._base_id = base_engine_id.encode()
-
-    def model_field(self, data: bytes) -> bytes:
-        return _MODEL_FIELD.sub(self._field, data)
-
-    def everywhere(self, data: bytes) -> bytes:
-        return _ANYWHERE.sub(self._name, data)
-
-    def _field(self, match: re.Match[bytes]) -> bytes:
-        return b'"model":"' + self._name(match) + b'"'
-
-    def _name(self, match: re.Match[bytes]) -> bytes:
-        return self.public if match.group(1) == self._base_id else match.group(2)
 
 
 class UpstreamUnreachable(OpenAIError):
@@ -520,9 +462,7 @@ def _stream_broken(cause: UpstreamBroken) -> bytes:
 
 
 __all__: list[Any] = [
-    "AnyVersionRename",
     "ProxyClient",
     "RelayResponse",
-    "Rename",
     "UpstreamUnreachable",
 ]

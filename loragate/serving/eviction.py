@@ -30,7 +30,7 @@ tests/unit/test_eviction.py as one row each):
 - **ttl** (``past_ttl``, apart from making room): an idle ``resident`` model whose last
   request ended ``ttl`` seconds ago or more is unloaded, ``keep`` or not; an asleep one stays.
 
-The caller (``loragate.gateway.backends.catalog``) applies one unload at a time and asks
+The caller (``loragate.serving.catalog``) applies one unload at a time and asks
 again, since a request may reach a model between two unloads.
 """
 

@@ -21,7 +21,7 @@ from loragate import GenerationResult, InferenceBackend
 from loragate.adapters.fleet_reconciler import FleetReconciler
 from loragate.gateway.app import create_app
 from loragate.gateway.backends.base import AdminBackend, GatewayBackend
-from loragate.gateway.backends.supervised import SupervisedEngineBackend
+from loragate.gateway.backends.managed import ManagedBackend, ManagedCatalogBackend
 from loragate.settings import Settings
 from tests.backend_double import ManagedBackendDouble, engine_snapshot, settings_for
 from tools.bench.fake_engine import FakeEngine, start_server
@@ -149,8 +149,9 @@ async def test_a_custom_backend_has_no_admin_interface_every_admin_route_answers
         assert body.pulled == 0, (method, path)
 
 
-def test_the_supervised_backend_is_the_admin_interface() -> None:
-    assert issubclass(SupervisedEngineBackend, AdminBackend)
+def test_the_managed_backends_are_the_admin_interface() -> None:
+    assert issubclass(ManagedBackend, AdminBackend)
+    assert issubclass(ManagedCatalogBackend, AdminBackend)
 
 
 async def test_a_supervised_backend_still_starting_refuses_with_503_before_reading_a_body(
@@ -161,10 +162,10 @@ async def test_a_supervised_backend_still_starting_refuses_with_503_before_readi
     async def planning_forever(*args: Any) -> Any:
         await asyncio.Event().wait()
 
-    monkeypatch.setattr("loragate.gateway.backends.supervised.plan_engine", planning_forever)
+    monkeypatch.setattr("loragate.serving.model.plan_engine", planning_forever)
     settings = settings_for(tmp_path, admin_key=ADMIN_KEY, model=str(tmp_path / "model"))
     routes = [("GET", "/admin/adapters"), ("GET", "/admin/adapters/pong"), *CHANGES]
-    answers = await call_app(settings, SupervisedEngineBackend(settings), send_each(routes))
+    answers = await call_app(settings, ManagedBackend(settings), send_each(routes))
     for (method, path), (response, body) in zip(routes, answers, strict=True):
         assert response.status_code == 503, (method, path, response.text)
         assert response.json()["error"] == {
@@ -184,7 +185,7 @@ async def test_adapters_a_fleet_manifest_owns_refuse_every_change_with_409_and_i
     def never_fetched(url: str) -> bytes:
         raise AssertionError("the reconciler was not started")
 
-    backend.fleet = FleetReconciler(
+    backend.runtime.fleet = FleetReconciler(
         backend.adapters,  # type: ignore[arg-type]
         SIGNED_MANIFEST,
         interval=60,

@@ -8,28 +8,47 @@ from __future__ import annotations
 import pytest
 
 from loragate.gateway.backends.base import (
+    AdminBackend,
+    CatalogAdmin,
     KnowsContextLength,
     ListsModels,
+    ModelsAdmin,
     RelaysEngineCalls,
     ReportsStart,
     ResolvesModels,
     RunsEngine,
     ServesPresets,
 )
-from loragate.gateway.backends.catalog import CatalogBackend
 from loragate.gateway.backends.custom_adapter import ViBackendAdapter
-from loragate.gateway.backends.supervised import SupervisedEngineBackend
+from loragate.gateway.backends.managed import ManagedBackend, ManagedCatalogBackend
 from loragate.gateway.backends.upstream import UpstreamBackend
 
 DOES: dict[type, set[type]] = {
-    SupervisedEngineBackend: {
+    # One model and a catalog: the same interfaces (one model is a catalog of one), the
+    # catalog's engines also reported one by one.
+    ManagedBackend: {
         RunsEngine,
         ReportsStart,
         KnowsContextLength,
         ServesPresets,
         RelaysEngineCalls,
+        ListsModels,
+        ResolvesModels,
+        ModelsAdmin,
+        AdminBackend,
     },
-    CatalogBackend: {RunsEngine, ListsModels, ResolvesModels, ServesPresets, RelaysEngineCalls},
+    ManagedCatalogBackend: {
+        RunsEngine,
+        ReportsStart,
+        KnowsContextLength,
+        ServesPresets,
+        RelaysEngineCalls,
+        ListsModels,
+        ResolvesModels,
+        ModelsAdmin,
+        AdminBackend,
+        CatalogAdmin,
+    },
     UpstreamBackend: {KnowsContextLength, RelaysEngineCalls},
     ViBackendAdapter: {ListsModels},
 }

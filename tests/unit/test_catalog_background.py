@@ -18,7 +18,7 @@ import pytest
 
 from loragate.demo.layout import demo_base_dir
 from loragate.engine_states import EngineState
-from loragate.gateway.backends.catalog import CatalogBackend
+from loragate.serving.catalog import Catalog
 from tests.unit.test_catalog import catalog_settings
 
 
@@ -37,9 +37,9 @@ async def test_a_ttl_unload_that_raises_is_logged_and_the_next_pass_unloads_it(
 ) -> None:
     models = {"alpha": {"model": str(demo_base_dir(demo_dir)), "ttl": 0.5}}
     settings = catalog_settings(tmp_path, demo_dir, models=models)
-    catalog = CatalogBackend(settings, ttl_check_seconds=0.2)
+    catalog = Catalog(settings, ttl_check_seconds=0.2)
     alpha = catalog.entries["alpha"]
-    real_unload, refused = alpha.backend.unload, []
+    real_unload, refused = alpha.unload, []
 
     async def unload_refused_once(reason: str) -> None:
         if not refused:
@@ -47,7 +47,7 @@ async def test_a_ttl_unload_that_raises_is_logged_and_the_next_pass_unloads_it(
             raise RuntimeError("the engine would not stop")
         await real_unload(reason)
 
-    monkeypatch.setattr(alpha.backend, "unload", unload_refused_once)
+    monkeypatch.setattr(alpha, "unload", unload_refused_once)
     await catalog.start()
     try:
         await catalog.load_by_hand("alpha")
@@ -73,21 +73,21 @@ async def test_stop_stops_every_engine_after_a_failed_ttl_pass_and_a_stop_that_r
     base = str(demo_base_dir(demo_dir))
     models = {"alpha": {"model": base, "ttl": 0.2}, "beta": {"model": base}}
     settings = catalog_settings(tmp_path, demo_dir, models=models)
-    catalog = CatalogBackend(settings, ttl_check_seconds=0.1)
+    catalog = Catalog(settings, ttl_check_seconds=0.1)
     alpha, beta = catalog.entries["alpha"], catalog.entries["beta"]
-    real_stop = alpha.backend.stop
+    real_stop = alpha.stop
 
     async def refuse(*args: object) -> None:
         raise RuntimeError("the engine would not stop")
 
-    monkeypatch.setattr(alpha.backend, "unload", refuse)
+    monkeypatch.setattr(alpha, "unload", refuse)
     await catalog.start()
     try:
         await catalog.load_by_hand("alpha")
         await catalog.load_by_hand("beta")
         await until(lambda: beta.residency == "resident")
         await until(lambda: caplog.text.count("alpha: its ttl unload failed") >= 2)
-        monkeypatch.setattr(alpha.backend, "stop", refuse)
+        monkeypatch.setattr(alpha, "stop", refuse)
         await asyncio.wait_for(catalog.stop(), 60)  # returns: nothing raised
         assert beta.state == EngineState.STOPPED
         assert "alpha: stopping its engine failed" in caplog.text

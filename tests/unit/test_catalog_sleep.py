@@ -27,10 +27,10 @@ import pytest_asyncio
 from loragate.demo.layout import demo_adapter_dir, demo_base_dir
 from loragate.engine_states import EngineState
 from loragate.gateway.app import create_app
-from loragate.gateway.backends.catalog import CatalogBackend
-from loragate.gateway.errors import OpenAIError
 from loragate.plan.gpu.placement import GpuPlan, Placement
 from loragate.plan.gpu.vllm_rules import FALLBACK_RULES
+from loragate.serving.catalog import Catalog
+from loragate.serving.errors import NotServing
 from loragate.serving.sleep import ASLEEP_GPU_BYTES, put_to_sleep, wake
 from loragate.settings.supervision import SupervisionFields
 from loragate.supervisor.client import EngineClient
@@ -263,21 +263,21 @@ async def test_an_asleep_model_counts_what_it_still_holds_in_the_memory_budget(
     says what an asleep one holds."""
     base = str(demo_base_dir(demo_dir))
     models = {"alpha": {"model": base, "sleep": True}, "beta": {"model": base, "sleep": True}}
-    catalog_ = CatalogBackend(catalog_settings(tmp_path, demo_dir, models=models))
+    catalog_ = Catalog(catalog_settings(tmp_path, demo_dir, models=models))
     alpha, beta = catalog_.entries["alpha"], catalog_.entries["beta"]
     await catalog_.start()
     try:
-        await until(lambda: alpha.backend.prepared and beta.backend.prepared)
-        awake = alpha.backend.memory_bytes
-        assert awake is not None and awake == beta.backend.memory_bytes
+        await until(lambda: alpha.prepared and beta.prepared)
+        awake = alpha.memory_bytes
+        assert awake is not None and awake == beta.memory_bytes
         catalog_.room.memory_budget = awake + ASLEEP_GPU_BYTES
         await catalog_.load_by_hand("alpha")
         await catalog_.load_by_hand("beta")
         await until(lambda: beta.residency == "resident")  # booted
         assert alpha.residency == "asleep"
-        report = catalog_.model_report(alpha)
+        report = alpha.report()
         assert report["asleep_gpu_bytes"] == ASLEEP_GPU_BYTES
-        assert catalog_.model_report(beta)["asleep_gpu_bytes"] is None
+        assert beta.report()["asleep_gpu_bytes"] is None
         catalog_.room.memory_budget = awake + ASLEEP_GPU_BYTES - 1
         await catalog_.load_by_hand("alpha")  # a wake; beta asleep would leave too little
         assert (alpha.residency, beta.residency) == ("resident", "cold")
@@ -315,19 +315,19 @@ async def test_on_gpus_each_model_gets_its_part_of_the_plan_and_each_gpus_room_c
     monkeypatch.setattr("loragate.serving.room.plan_settings", plan)
     base = str(demo_base_dir(demo_dir))
     models = {model_id: {"model": base} for model_id in placements}
-    catalog_ = CatalogBackend(catalog_settings(tmp_path, demo_dir, models=models))
+    catalog_ = Catalog(catalog_settings(tmp_path, demo_dir, models=models))
     entries = catalog_.entries
     await catalog_.start()
     try:
         assert planned == [["0", "1"]]
         for model_id, entry in entries.items():
-            assert entry.backend.gpu_placement is placements[model_id]
+            assert entry.gpu_placement is placements[model_id]
         report = catalog_.catalog_report()
         assert report["memory_budget"] is None  # never the GPUs' sum
         assert report["gpu_room"] == {"0": 20 * GIB, "1": 20 * GIB} and report["host_room"] > 0
-        await until(lambda: all(entry.backend.prepared for entry in entries.values()))
+        await until(lambda: all(entry.prepared for entry in entries.values()))
         for model_id, (gpu, _) in shares.items():
-            entries[model_id].backend.gpu_held = {gpu: 8 * GIB}
+            entries[model_id].gpu_held = {gpu: 8 * GIB}
         for model_id in ("gamma", "alpha", "beta"):
             await catalog_.load_by_hand(model_id)
             await until(lambda m=model_id: entries[m].residency == "resident")  # type: ignore[misc]
@@ -337,9 +337,10 @@ async def test_on_gpus_each_model_gets_its_part_of_the_plan_and_each_gpus_room_c
             "gamma": "resident", "alpha": "cold", "beta": "resident", "delta": "resident",
         }  # fmt: skip
         assert catalog_.last_swap is not None and catalog_.last_swap["unloaded"] == ["alpha"]
-        with pytest.raises(OpenAIError) as refused:
+        with pytest.raises(NotServing) as refused:
             await catalog_.load_by_hand("big")
-        assert refused.value.status == 503 and "vLLM would refuse to start" in refused.value.message
+        assert refused.value.code == "model_capacity"
+        assert "vLLM would refuse to start" in refused.value.message
         assert entries["big"].residency == "cold"
     finally:
         await catalog_.stop()

@@ -199,7 +199,7 @@ _ENGINE_MODULES = (
     "loragate/engine_flags.py",
     "loragate/supervisor/command.py",
     "loragate/plan",
-    "loragate/gateway/backends/supervised.py",
+    "loragate/serving/model.py",
     "loragate/demo/layout.py",
 )
 

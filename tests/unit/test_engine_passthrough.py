@@ -27,8 +27,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from loragate.gateway.access.engine_allow_list import ENGINE_ROUTES, engine_route
 from loragate.gateway.app import create_app
-from loragate.gateway.backends.supervised import AnyVersionRename
 from loragate.gateway.observe.tracing import trace_headers_of
+from loragate.serving.engine_names import AnyVersionRename
 from loragate.settings import Settings
 from tests.backend_double import serving
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from loragate.gateway.backends.supervised import SupervisedEngineBackend
+from loragate.serving.model import ModelRuntime
 from loragate.settings import Settings
 from loragate.supervisor.command import EngineSpec, engine_argv, engine_env
 from tests.adapter_fixtures import llama_lora_shapes, peft_config, write_shaped_adapter
@@ -93,9 +93,9 @@ async def started_with(
 ) -> tuple[list[str], dict[str, str]]:
     """The argv of one boot of ``settings``' engine, and what it adds to the environment,
     with ``tmp_path`` written as ``{tmp}``."""
-    backend = SupervisedEngineBackend(settings)
+    backend = ModelRuntime(settings)
     backend.sleep_mode = sleep_mode
-    await backend.start(boot=False)
+    await backend.start()
     try:
         await backend.wait_until_prepared()
         assert backend.prepare_error is None, backend.prepare_error
@@ -295,12 +295,12 @@ async def test_a_catalogs_gpu_placement_is_the_one_the_engine_boots_with(
         model=str(llama(tmp_path / "model")), engine_python=engine_python(tmp_path, cpu_build=False),
         cache_dir=tmp_path / "cache", tool_call_parser="none",
     )  # fmt: skip
-    backend = SupervisedEngineBackend(settings)
+    backend = ModelRuntime(settings)
     backend.gpu_placement = Placement(
         "model", fits=True, devices=[1], share=0.4, held_bytes={1: 7 * GiB},
         args=["--gpu-memory-utilization", "0.4"], env={"CUDA_VISIBLE_DEVICES": "GPU-bbbb-2222"},
     )  # fmt: skip
-    await backend.start(boot=False)
+    await backend.start()
     try:
         await backend.wait_until_prepared()
         spec = backend._engine_spec(tmp_path / "engine.sock", "key")

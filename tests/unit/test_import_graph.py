@@ -158,8 +158,24 @@ def test_nothing_imports_the_cli_the_engine_plugin_or_the_checkouts_tools() -> N
 def test_the_graph_is_read_at_all() -> None:
     # A parser that found nothing would pass every rule above.
     assert len(MODULES) > 80
-    assert "loragate.adapters.manager" in GRAPH["loragate.gateway.backends.supervised"]
+    assert "loragate.adapters.manager" in GRAPH["loragate.serving.model"]
     assert "loragate.supervisor.engine" in GRAPH["loragate.adapters.manager"]
+
+
+def test_the_http_layer_reaches_engines_and_adapters_only_through_the_serving_core() -> None:
+    """Nothing under ``gateway/`` imports the supervisor or the adapter manager: a model's
+    engine and adapters are the serving core's (``serving.model``, ``serving.catalog``), which
+    raises domain errors that the managed backend answers as OpenAI errors."""
+    gateway = {m for m in MODULES if part(m) == "loragate.gateway"}
+    forbidden = {"loragate.adapters.manager"}
+    wrong = {
+        (m, t)
+        for m in gateway
+        for t in GRAPH[m]
+        if part(t) == "loragate.supervisor" or t in forbidden
+    }
+    assert wrong == set()
+    assert "loragate.serving.catalog" in GRAPH["loragate.gateway.backends.managed"]
 
 
 def test_routes_reach_the_engine_and_adapters_only_through_a_backend() -> None:

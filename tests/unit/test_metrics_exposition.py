@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import PlainTextResponse
 
 from loragate.gateway.app import create_app
-from loragate.gateway.backends.supervised import AnyVersionRename
 from loragate.serving.engine_metrics import merge_catalog_metrics, relabel_engine_metrics
+from loragate.serving.engine_names import AnyVersionRename
 from loragate.settings import Settings
 from tests.backend_double import ProxiedBackend, adapter_stats, engine_snapshot, serving
 

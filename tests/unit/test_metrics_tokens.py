@@ -24,8 +24,8 @@ from starlette.responses import Response
 
 from loragate.gateway.app import create_app
 from loragate.gateway.backends.base import json_post
-from loragate.gateway.proxy import Rename
 from loragate.logs import JsonFormatter
+from loragate.serving.engine_names import Rename
 from loragate.settings import Settings
 from tests.backend_double import ProxiedBackend, engine_snapshot, serving
 from tests.unit.test_metrics import Samples, parse, value

@@ -79,7 +79,8 @@ def test_gateway_models_list_load_unload_on_a_one_model_gateway(
         assert second_pid is not None and second_pid != first_pid
         report = httpx.get(f"{url}/admin/models", headers=ADMIN, timeout=10).json()
         (row,) = report["models"]
-        assert (row["residency"], row["loads"]) == ("resident", 1)
+        # Two loads: the boot at start (a catalog's preload) and the one the request asked for.
+        assert (row["residency"], row["loads"], row["unloads"]) == ("resident", 2, 1)
 
         loaded = models(url, "load", base)  # already resident: nothing boots
         assert loaded.returncode == 0 and loaded.stdout.startswith(f"{base}: resident")

@@ -367,7 +367,7 @@ async def test_a_refused_layout_is_the_reason_health_gives(
 ) -> None:
     """A model resolved at start-up (not seen by the command line's preflight) is checked
     before the engine boots, and /health says why it will not."""
-    from loragate.gateway.backends.supervised import SupervisedEngineBackend
+    from loragate.serving.model import ModelRuntime
     from tools.bench.targets import write_fake_model
 
     monkeypatch.setattr("loragate.plan.engine_plan.is_cpu_build", lambda python: True)
@@ -376,7 +376,7 @@ async def test_a_refused_layout_is_the_reason_health_gives(
         distributed_executor_backend="ray", tool_call_parser="none", cpu_lora_ops=False,
         engine_args=["--kv-cache-memory-bytes", "1073741824"],
     )  # fmt: skip
-    backend = SupervisedEngineBackend(settings)
+    backend = ModelRuntime(settings)
 
     async def no_engine() -> None:
         raise AssertionError("the engine was started despite the refusal")

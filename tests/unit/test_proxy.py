@@ -14,10 +14,10 @@ from loragate.gateway.errors import OpenAIError
 from loragate.gateway.proxy import (
     ProxyClient,
     RelayResponse,
-    Rename,
     UpstreamUnreachable,
 )
 from loragate.http import oneshot
+from loragate.serving.engine_names import Rename
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 

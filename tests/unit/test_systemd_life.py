@@ -208,7 +208,8 @@ async def test_a_gateway_whose_model_cannot_be_prepared_never_says_ready(
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         deadline = time.monotonic() + 30
-        while app.state.gateway.backend.prepare_error is None:
+        (model,) = app.state.gateway.backend.catalog.entries.values()  # a catalog of one
+        while model.prepare_error is None:
             assert time.monotonic() < deadline, "the model was never refused"
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)
@@ -231,9 +232,10 @@ async def test_a_one_model_gateway_whose_engine_failed_says_ready_after_an_admin
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         backend = app.state.gateway.backend
+        (model,) = backend.catalog.entries.values()  # a catalog of one
         deadline = time.monotonic() + 60
-        while backend.supervisor.state != "failed":
-            assert time.monotonic() < deadline, backend.supervisor.state
+        while model.state != "failed":
+            assert time.monotonic() < deadline, model.state
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)
         assert systemd.index("READY=1") is None, systemd.messages

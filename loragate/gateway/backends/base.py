@@ -17,7 +17,7 @@ from loragate.gateway.observe.metrics import ask_for_usage
 
 
 class GatewayBackend(Protocol):
-    """The routes' view of a backend: the supervised engine, an upstream URL, or a custom one."""
+    """The routes' view of a backend: the managed engines, an upstream URL, or a custom one."""
 
     async def start(self) -> None: ...
 
@@ -81,8 +81,9 @@ class RelayingBackend(GatewayBackend, Protocol):
     async def relay(self, call: EngineCall) -> Response: ...
 
 
+@runtime_checkable
 class ObservableBackend(GatewayBackend, Protocol):
-    """A backend that reports on the engine and adapters it runs (the supervised one), in
+    """A backend that reports on the engines and adapters it runs (the managed one), in
     frozen values: the metrics, status and admin routes never read its parts."""
 
     def engine_snapshot(self) -> EngineSnapshot: ...
@@ -99,7 +100,7 @@ class ObservableBackend(GatewayBackend, Protocol):
 @runtime_checkable
 class AdminBackend(Protocol):
     """What the admin routes ask of a backend that manages its engine and adapters (the
-    supervised one). Every change goes through these methods, and they own its checks (the
+    managed one). Every change goes through these methods, and they own its checks (the
     gateway still starting: 503; a fleet manifest owning the adapters: 409) and answer a
     refusal as the ``OpenAIError`` a client sees, so the routes read nothing of a manager,
     a fleet or a supervisor. A backend without it (upstream, custom) gets ``admin_of``'s 404.
@@ -205,13 +206,11 @@ def engine_snapshot_of(backend: GatewayBackend) -> EngineSnapshot | None:
 
 
 async def adapter_stats_of(backend: GatewayBackend) -> AdapterStats | None:
-    stats = getattr(backend, "adapter_stats", None)
-    return await stats() if callable(stats) else None
+    return await backend.adapter_stats() if isinstance(backend, ObservableBackend) else None
 
 
 async def engine_metrics_of(backend: GatewayBackend) -> bytes | None:
-    engine_metrics = getattr(backend, "engine_metrics", None)
-    return await engine_metrics() if callable(engine_metrics) else None
+    return await backend.engine_metrics() if isinstance(backend, ObservableBackend) else None
 
 
 # ----- what some backends also do: one method each, asked with isinstance -------------------
@@ -221,7 +220,7 @@ async def engine_metrics_of(backend: GatewayBackend) -> bytes | None:
 
 @runtime_checkable
 class RunsEngine(Protocol):
-    """A backend that runs an engine of its own (the supervised one, a catalog)."""
+    """A backend that runs engines of its own (the managed one)."""
 
     def engine_snapshot(self) -> EngineSnapshot: ...
 

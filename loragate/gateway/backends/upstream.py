@@ -23,9 +23,10 @@ from starlette.responses import Response
 from loragate.engine_states import listed_max_model_len
 from loragate.gateway.backends.base import EngineCall, json_post
 from loragate.gateway.errors import OpenAIError
-from loragate.gateway.proxy import ProxyClient, Rename
+from loragate.gateway.proxy import ProxyClient
 from loragate.http import oneshot
 from loragate.logs import redact, redact_urls
+from loragate.serving.engine_names import Rename
 from loragate.settings import Settings
 
 log = logging.getLogger("loragate.gateway")

@@ -55,7 +55,7 @@ NAN = float("nan")
 # The gateway's own process metrics (``process_*``, ``python_info``, ``loragate_build_info``):
 # prometheus_client's standard collectors in a registry of their own, so the scrape writes them
 # once, after the gateway's families and before the engine's (whose own ``process_*`` and
-# ``python_*`` families ``backends.engine_metrics`` drops).
+# ``python_*`` families ``serving.engine_metrics`` drops).
 _registry = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=_registry)
 PlatformCollector(registry=_registry)

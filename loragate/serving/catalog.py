@@ -1,13 +1,14 @@
-"""A catalog of base models behind one gateway: each its own supervised engine and adapters,
-booted when a request first needs it, within ``max_loaded_models`` and ``memory_budget``.
+"""The catalog: a managed gateway's base models, each a ``ModelRuntime`` (its own engine and
+adapters), booted when a request first needs it, within ``max_loaded_models`` and
+``memory_budget``. A gateway serving one model is a catalog of one.
 
-Every model of ``Settings.models`` is a ``SupervisedEngineBackend`` of its own (its cache and
-state under ``CACHE_DIR/models/ID``: store, manifest, engine socket and log), prepared at start
-(model resolved, adapters declared) and booted on demand, or at start with ``preload``. A
-request for a cold model makes room first, as ``loragate.serving.eviction`` decides (the least
-recently used idle engines give way; never one with requests in flight or waiting: those drain
-first, within the queue deadline; never one marked ``keep``), then the model boots while its
-requests wait in its engine's queue as during a restart (bounded, with the queue deadline and
+Every model of ``Settings.models`` is a ``ModelRuntime`` of its own (its cache and state under
+``CACHE_DIR/models/ID``: store, manifest, engine socket and log), prepared at start (model
+resolved, adapters declared) and booted on demand, or at start with ``preload``. A request for
+a cold model makes room first, as ``loragate.serving.eviction`` decides (the least recently
+used idle engines give way; never one with requests in flight or waiting: those drain first,
+within the queue deadline; never one marked ``keep``), then the model boots while its requests
+wait in its engine's queue as during a restart (bounded, with the queue deadline and
 ``Retry-After``). On GPUs the catalog's GPU plan (``loragate.plan.gpu``) places every model,
 and room is counted per GPU, never summed; a model with ``sleep`` gives way by vLLM's sleep
 mode and is woken for its next request (``loragate.serving.sleep``: what it still holds, and
@@ -15,6 +16,14 @@ why nothing is loaded into it asleep). An engine idle for its ``ttl`` is unloade
 pass that a failed unload does not end; stopping the catalog stops every engine, whatever
 failed before. An adapter name no model has registered is looked for where the operator said
 (``loragate.serving.adapter_search``) and added to the model that names the place.
+
+A gateway's one model (``--model``, no ``models:``) is the catalog's only entry: kept and
+preloaded, its state directly under ``CACHE_DIR``, planned alone on the visible GPUs, its start
+over once its engine has booted (systemd's ``READY=1``), an admin's adapter change recorded
+for its next boot while it is unloaded, and its reports in a lone model's shape (``/health``,
+``/admin/adapters``, ``/admin/engine``). Requests, residency, ``gateway models
+list|load|unload`` and stopping go the catalog's way for both. Every refusal is a domain error
+(``loragate.serving.errors``).
 """
 
 from __future__ import annotations
@@ -24,122 +33,65 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from starlette.responses import Response
-
-from loragate.engine_states import COLD, FAILED, LOADING, RESIDENT, EngineSnapshot, EngineState
-from loragate.gateway.backends.base import EngineCall
-from loragate.gateway.backends.supervised import SupervisedEngineBackend
-from loragate.gateway.errors import OpenAIError, model_not_found
+from loragate.adapters.errors import AdapterError
+from loragate.adapters.preset import ParameterRules
+from loragate.adapters.stats import AdapterStats
+from loragate.engine_states import FAILED, RESIDENT, EngineSnapshot, EngineState
 from loragate.periodic import PeriodicTask
 from loragate.plan.engine_spec import model_settings
 from loragate.serving.adapter_search import AdapterNotFound, AdapterSearch
 from loragate.serving.engine_metrics import merge_catalog_metrics
-from loragate.serving.eviction import Occupant, past_ttl
+from loragate.serving.errors import AmbiguousBase, ModelNotFound, NotServing, UnknownAdapter
+from loragate.serving.eviction import past_ttl
+from loragate.serving.model import ModelRuntime
 from loragate.serving.room import CatalogRoom
-from loragate.serving.sleep import asleep_hold, put_to_sleep, wake
+from loragate.serving.sleep import put_to_sleep, wake
 from loragate.settings import Settings
 from loragate.settings.catalog import CatalogModel
 from loragate.supervisor.command import engine_base_env
 from loragate.supervisor.engine import EngineUnavailable
 from loragate.supervisor.spare import spare_engines
-from loragate.systemd import AllStarts
+from loragate.systemd import AllStarts, ServiceStart
 
 log = logging.getLogger("loragate.gateway")
 
 _TTL_CHECK_SECONDS = 5.0
 # How long stopping waits for cancelled background tasks before stopping the engines anyway.
 _BACKGROUND_GRACE_SECONDS = 5.0
-# States of an engine that is up or coming up: a request for it goes straight to it.
-_RUNNING = frozenset(
-    {EngineState.STARTING, EngineState.RESTARTING, EngineState.READY, EngineState.UNHEALTHY}
-)
 
 
-@dataclass
-class CatalogEntry:
-    id: str
-    spec: CatalogModel
-    backend: SupervisedEngineBackend
-    loads: int = 0
-    unloads: int = 0
-    # Requests past the room check and not yet handed to the engine (waiting for its boot):
-    # an engine is idle, and may be unloaded, only with none of these and none in flight.
-    wanted: int = 0
-    # Set while a request makes room for this model and boots it: later ones wait on it.
-    pending_load: asyncio.Future[None] | None = None
-    wakes: int = 0
-    last_unload_reason: str | None = None
-
-    def __post_init__(self) -> None:
-        self.backend.sleep_mode = self.spec.sleep
-        self.backend.fleet_part = self.id
-
-    @property
-    def state(self) -> EngineState:
-        return self.backend.supervisor.state
-
-    @property
-    def asleep(self) -> bool:
-        """Unloaded by vLLM's sleep mode: the engine runs, its weights in host memory."""
-        return self.backend.supervisor.asleep
-
-    @property
-    def residency(self) -> str:
-        return self.backend.residency(asleep=self.asleep)
-
-    @property
-    def idle(self) -> bool:
-        return self.wanted == 0 and self.backend.in_flight == 0
-
-    @property
-    def takes_requests(self) -> bool:
-        """Up or coming up, and awake: a request for it goes straight to its engine."""
-        return self.state in _RUNNING and not self.asleep
-
-    def occupant(self) -> Occupant:
-        """This model as the room decision (``loragate.serving.eviction``) sees it."""
-        residency, backend = self.residency, self.backend
-        if residency == LOADING and self.state == EngineState.STOPPED:
-            residency = COLD  # still being prepared: no engine yet, it holds nothing
-        asleep = asleep_hold(backend.gpu_placement, backend.gpu_held)
-        return Occupant(
-            self.id,
-            residency,
-            last_used=backend.last_used,
-            requests=self.wanted + backend.in_flight,
-            memory_bytes=backend.memory_bytes,
-            held_bytes=backend.gpu_held,
-            asleep_bytes=asleep.gpu_bytes,
-            asleep_held=asleep.gpus,
-            asleep_host_bytes=asleep.host_bytes,
-            keep=self.spec.keep,
-            sleeps=backend.sleep_mode,
-            ttl=self.spec.ttl,
-        )
-
-
-class CatalogBackend:
+class Catalog:
     def __init__(
-        self, settings: Settings, *, ttl_check_seconds: float = _TTL_CHECK_SECONDS
+        self,
+        settings: Settings,
+        *,
+        preset_rules: ParameterRules | None = None,
+        ttl_check_seconds: float = _TTL_CHECK_SECONDS,
     ) -> None:
         self.settings = settings
+        # A gateway's one model (no ``models:``): a catalog of one, in a lone model's shape.
+        self.single = not settings.models
         # One spare engine for whichever model boots next (loragate.supervisor.spare).
-        self.spares = spare_engines(settings, models=len(settings.models))
-        self.entries = {
-            model_id: CatalogEntry(
-                model_id,
-                entry,
-                SupervisedEngineBackend(
-                    model_settings(settings, model_id, entry),
+        self.spares = spare_engines(settings, models=len(settings.models) or 1)
+        if self.single:
+            lone = CatalogModel(model=settings.model or settings.served_model_name, keep=True,
+                                preload=True)  # fmt: skip
+            models = [ModelRuntime(settings, lone, preset_rules=preset_rules, spares=self.spares)]
+        else:
+            models = [
+                ModelRuntime(
+                    model_settings(settings, model_id, spec),
+                    spec,
+                    preset_rules=preset_rules,
                     spares=self.spares,
-                ),
-            )
-            for model_id, entry in settings.models.items()
-        }
+                    fleet_part=model_id,  # its part of a per-model adapters manifest
+                )
+                for model_id, spec in settings.models.items()
+            ]
+        self.entries = {model.id: model for model in models}
         self.room = CatalogRoom.given(settings)  # measured at start
         self.swaps = 0
         self.last_swap: dict[str, Any] | None = None
@@ -153,11 +105,12 @@ class CatalogBackend:
     # ----- life cycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.room = await CatalogRoom.measure(self.settings)
+        if not self.single:  # one model is planned alone on the visible GPUs
+            self.room = await CatalogRoom.measure(self.settings)
         for entry in self.entries.values():
             # On GPUs: its part of the catalog's GPU plan, its GPUs and share beside the others.
-            entry.backend.gpu_placement = self.room.placements.get(entry.id)
-            await entry.backend.start(boot=False)
+            entry.gpu_placement = self.room.placements.get(entry.id)
+            await entry.start(serves_once_booted=self.single)
         for entry in self.entries.values():
             if entry.spec.preload:
                 task = asyncio.create_task(self._preload(entry), name=f"preload-{entry.id}")
@@ -183,45 +136,50 @@ class CatalogBackend:
                     task.exception()
         entries = list(self.entries.values())
         outcomes = await asyncio.gather(
-            *(entry.backend.stop() for entry in entries), return_exceptions=True
+            *(entry.stop() for entry in entries), return_exceptions=True
         )
         for entry, outcome in zip(entries, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 log.error("model %s: stopping its engine failed", entry.id, exc_info=outcome)
 
-    async def _preload(self, entry: CatalogEntry) -> None:
+    async def _preload(self, entry: ModelRuntime) -> None:
         try:
             await self.make_resident(entry, "preload")
-        except OpenAIError as exc:
-            log.warning("model %s: not preloaded: %s", entry.id, exc.message)
+        except (NotServing, AdapterError) as exc:
+            log.warning("model %s: not preloaded: %s", entry.id, exc)
         except Exception:
             log.exception("model %s: not preloaded", entry.id)
 
     # ----- which model serves a name ------------------------------------------------------
 
     def model_ids(self) -> list[str]:
-        return [name for entry in self.entries.values() for name in entry.backend.servable_models()]
+        return [name for entry in self.entries.values() for name in self._names_of(entry)]
+
+    def _names_of(self, entry: ModelRuntime) -> list[str]:
+        """The base and adapters ``entry`` serves (a lone model: those routed now, or those
+        its next boot serves while cold; a catalog's: those it will serve once booted)."""
+        return entry.model_ids() if self.single else entry.servable_models()
 
     def model_entries(self) -> list[dict[str, Any]]:
         """``/v1/models``'s entries: every base and adapter, adapters with their ``parent``,
         each with its base's ``residency``."""
         found = []
         for entry in self.entries.values():
-            for name in entry.backend.servable_models():
+            for name in self._names_of(entry):
                 parent = None if name == entry.id else entry.id
                 found.append({"id": name, "parent": parent, "residency": entry.residency})
         return found
 
-    def owner(self, name: str) -> CatalogEntry | None:
+    def owner(self, name: str) -> ModelRuntime | None:
         for entry in self.entries.values():
-            if name in entry.backend.servable_models():
+            if name in entry.servable_models():
                 return entry
         return None
 
     def model_preset(self, name: str) -> dict[str, Any] | None:
         """``/v1/models/{id}``'s preset: asked of the model that serves ``name``."""
         entry = self.owner(name)
-        return entry.backend.model_preset(name) if entry is not None else None
+        return entry.model_preset(name) if entry is not None else None
 
     def resolves(self, name: str) -> bool:
         """Whether an unregistered ``name`` may be found in a place the operator configured:
@@ -230,42 +188,40 @@ class CatalogBackend:
         while: ``loragate.serving.adapter_search``)."""
         return self._search.may_find(name)
 
-    async def _owner_for(self, name: str) -> CatalogEntry:
+    async def _owner_for(self, name: str) -> ModelRuntime:
         entry = self.owner(name)
         if entry is not None:
             return entry
         if not self.resolves(name):
-            raise model_not_found(name, self.model_ids())
+            raise ModelNotFound(name, self.model_ids())
         try:
             return self.entries[await self._search.find(name)]
         except AdapterNotFound as exc:
-            missing = model_not_found(name, self.model_ids())
-            missing.message += " Looked for it at: " + "; ".join(exc.tried)
-            raise missing from None
+            raise ModelNotFound(name, self.model_ids(), exc.tried) from None
 
     async def _add_from(self, model_id: str, name: str, source: str) -> str | None:
         """Add adapter ``name`` to ``model_id`` from ``source`` through the admin API's
         pipeline (booting the model first): None once it serves, else why it could not."""
         entry = self.entries[model_id]
         async with self._kept_resident(entry, f"adapter {name} requested"):
-            await entry.backend.wait_until_prepared()
+            await entry.wait_until_prepared()
             try:
                 # An operator's place (adapter_dir, resolvers): read wherever it is.
-                await entry.backend.put_adapter(name, source, local_roots=None)
-            except OpenAIError as exc:
-                return exc.message
+                await entry.put_adapter(name, source, local_roots=None)
+            except (NotServing, AdapterError) as exc:
+                return str(exc)
         return None
 
     # ----- residency ----------------------------------------------------------------------
 
-    async def make_resident(self, entry: CatalogEntry, reason: str) -> None:
+    async def make_resident(self, entry: ModelRuntime, reason: str) -> None:
         """Boot ``entry``'s engine if it is cold, unloading idle ones first to make room.
 
         Requests for a model whose load is under way wait for that load instead of queueing
         for the room again, so a burst for one model costs one boot, not one per request."""
         if entry.takes_requests or entry.residency == FAILED:
             return
-        await entry.backend.wait_until_prepared()  # its plan (memory, GPUs) is known then
+        await entry.wait_until_prepared()  # its plan (memory, GPUs) is known then
         if entry.pending_load is not None:
             await asyncio.shield(entry.pending_load)
             return
@@ -274,7 +230,7 @@ class CatalogBackend:
                 return
             entry.pending_load = asyncio.get_running_loop().create_future()
             try:
-                evicted = await self._make_room_for(entry)
+                evicted = [] if self.single else await self._make_room_for(entry)
                 if evicted:
                     self.swaps += 1
                     self.last_swap = {
@@ -287,12 +243,12 @@ class CatalogBackend:
                     await self._wake(entry, reason)
                 else:
                     # vLLM would refuse the boot (another program took that GPU memory)?
-                    refused = await self.room.boot_refusal(entry.backend.gpu_placement)
-                    if refused is not None:
+                    refused = await self.room.boot_refusal(entry.gpu_placement)
+                    if refused is not None and not self.single:
                         raise _no_room(entry, refused)
                     log.info("model %s: loading (%s)", entry.id, reason)
                     entry.loads += 1
-                    await entry.backend.load(f"loaded on demand: {reason}")
+                    await entry.load(f"loaded on demand: {reason}")
             except BaseException as exc:
                 entry.pending_load.set_exception(exc)
                 entry.pending_load.exception()  # retrieved: no "never retrieved" warning
@@ -302,24 +258,23 @@ class CatalogBackend:
             finally:
                 entry.pending_load = None
 
-    async def _wake(self, entry: CatalogEntry, reason: str) -> None:
+    async def _wake(self, entry: ModelRuntime, reason: str) -> None:
         """Wake ``entry``'s engine; one that does not wake is stopped (the next request boots
         it, within the room) and this request gets a 503."""
         log.info("model %s: waking up (%s)", entry.id, reason)
         try:
-            await wake(entry.backend.supervisor, entry.backend.engine)
+            await wake(entry.supervisor, entry.engine)
         except EngineUnavailable as exc:
-            await entry.backend.unload(f"it did not wake up: {exc}")
-            raise OpenAIError(
-                503,
+            await entry.unload(f"it did not wake up: {exc}")
+            raise NotServing(
                 f"model {entry.id!r} did not wake up ({exc}): its engine was stopped, and the "
                 "next request boots it",
-                code="engine_unavailable",
-                headers={"Retry-After": "5"},
+                "engine_unavailable",
+                retry_after=5,
             ) from None
         entry.wakes += 1
 
-    async def _make_room_for(self, entry: CatalogEntry) -> list[str]:
+    async def _make_room_for(self, entry: ModelRuntime) -> list[str]:
         """Unload what ``loragate.serving.eviction`` says, one engine at a time (a request may
         reach one between two unloads: the decision is taken again after each), until
         ``entry`` fits; wait (within the queue deadline) while those in the way are loading or
@@ -328,8 +283,8 @@ class CatalogBackend:
         evicted: list[str] = []
         while True:
             decision = self.room.decide(
-                entry.backend.memory_bytes,
-                entry.backend.gpu_held,
+                entry.memory_bytes,
+                entry.gpu_held,
                 [other.occupant() for other in self.entries.values() if other is not entry],
             )
             if decision.refused is not None:
@@ -352,36 +307,37 @@ class CatalogBackend:
                 )
             await asyncio.sleep(0.05)  # the least recently used drains, or finishes loading
 
-    async def unload(self, entry: CatalogEntry, reason: str, stop: bool = False) -> None:
+    async def unload(self, entry: ModelRuntime, reason: str, stop: bool = False) -> None:
         """Stop ``entry``'s engine, or, with sleep mode and not ``stop``, put it to sleep."""
         entry.unloads += 1
         entry.last_unload_reason = reason
-        if entry.backend.sleep_mode and not stop and entry.residency == RESIDENT:
+        if entry.sleep_mode and not stop and entry.residency == RESIDENT:
             log.info("model %s: going to sleep (%s)", entry.id, reason)
             try:  # asleep at once: no request or adapter call may go to it from now on
-                await put_to_sleep(entry.backend.supervisor, entry.backend.engine)
+                await put_to_sleep(entry.supervisor, entry.engine)
                 return
             except EngineUnavailable as exc:
                 log.warning("model %s: did not go to sleep (%s): stopping it", entry.id, exc)
         log.info("model %s: unloading (%s)", entry.id, reason)
-        await entry.backend.unload(f"unloaded: {reason}")
+        await entry.unload(f"unloaded: {reason}")
 
     async def load_by_hand(self, model_id: str) -> dict[str, Any]:
         entry = self._entry(model_id)
         await self.make_resident(entry, "loaded by an admin")
-        return self.model_report(entry)
+        return entry.report()
 
     async def unload_by_hand(self, model_id: str) -> dict[str, Any]:
         entry = self._entry(model_id)
         async with self._changing:
             if entry.state not in (EngineState.STOPPED, EngineState.FAILED):
+                entry.unloaded_by_hand = True  # the next request boots it
                 await self.unload(entry, "unloaded by an admin", stop=True)
-        return self.model_report(entry)
+        return entry.report()
 
-    def _entry(self, model_id: str) -> CatalogEntry:
+    def _entry(self, model_id: str) -> ModelRuntime:
         entry = self.entries.get(model_id)
         if entry is None:
-            raise model_not_found(model_id, list(self.entries))
+            raise ModelNotFound(model_id, list(self.entries))
         return entry
 
     async def _unload_idle(self) -> None:
@@ -401,72 +357,44 @@ class CatalogBackend:
 
     # ----- serving ------------------------------------------------------------------------
 
-    async def forward(
-        self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
-    ) -> Response:
-        entry = await self._owner_for(public_model)
-        async with self._kept_resident(entry, f"a request for {public_model}"):
-            return await entry.backend.forward(path, payload, public_model, stream, request_id)
-
-    async def relay(self, call: EngineCall) -> Response:
-        if call.public_model is None:
+    @contextlib.asynccontextmanager
+    async def serving(self, public_model: str | None) -> AsyncIterator[ModelRuntime]:
+        """The model that answers a request for ``public_model`` (None: a request that names
+        none goes to the most recently used resident), made resident and kept so until the
+        block ends; ``ModelNotFound`` when no model has that name, nor finds it."""
+        if public_model is None:
             entry = self._default_entry()
         else:
-            entry = await self._owner_for(call.public_model)
-        async with self._kept_resident(entry, f"a request for {call.public_model or entry.id}"):
-            return await entry.backend.relay(call)
+            entry = await self._owner_for(public_model)
+        async with self._kept_resident(entry, f"a request for {public_model or entry.id}"):
+            yield entry
 
     @contextlib.asynccontextmanager
-    async def _kept_resident(self, entry: CatalogEntry, reason: str) -> AsyncIterator[None]:
+    async def _kept_resident(self, entry: ModelRuntime, reason: str) -> AsyncIterator[None]:
         """``entry`` made resident and kept so (wanted: never unloaded) until the block ends: a
         request, or an admin's adapter change whose download may take a while."""
         await self.make_resident(entry, reason)
         entry.wanted += 1  # at once: nothing may unload it between the two
         try:
-            entry.backend.last_used = time.monotonic()
+            entry.last_used = time.monotonic()
             yield
         finally:
             entry.wanted -= 1
 
-    def _default_entry(self) -> CatalogEntry:
+    def _default_entry(self) -> ModelRuntime:
         """For a request that names no model: the most recently used resident, else the first."""
         resident = [e for e in self.entries.values() if e.residency == RESIDENT]
         if resident:
-            return max(resident, key=lambda e: e.backend.last_used)
+            return max(resident, key=lambda e: e.last_used)
         return next(iter(self.entries.values()))
 
     # ----- what health, status and admin read ----------------------------------------------
 
-    def model_report(self, entry: CatalogEntry) -> dict[str, Any]:
-        backend = entry.backend
-        _, health = backend.health()
-        asleep = asleep_hold(backend.gpu_placement, backend.gpu_held)
-        return {
-            "id": entry.id,
-            "model": entry.spec.model,
-            "residency": entry.residency,
-            "state": str(entry.state),
-            "reason": health.get("reason") or backend.supervisor.reason,
-            "adapters": [name for name in backend.servable_models() if name != entry.id],
-            "memory_bytes": backend.memory_bytes,
-            # What it still holds asleep: of its GPUs, and of host memory (its weights).
-            "asleep_gpu_bytes": asleep.gpu_bytes if entry.asleep else None,
-            "asleep_host_bytes": asleep.host_bytes if entry.asleep else None,
-            "in_flight": backend.in_flight,
-            "idle_seconds": round(time.monotonic() - backend.last_used, 1),
-            "loads": entry.loads,
-            "wakes": entry.wakes,
-            "unloads": entry.unloads,
-            "sleep_mode": backend.sleep_mode,
-            "last_unload_reason": entry.last_unload_reason,
-            "keep": entry.spec.keep,
-            "ttl": entry.spec.ttl,
-        }
-
     def catalog_report(self) -> dict[str, Any]:
+        limits = {"max_loaded_models": 1, "memory_budget": None} if self.single else None
         return {
-            "models": [self.model_report(entry) for entry in self.entries.values()],
-            **self.room.report(),
+            "models": [entry.report() for entry in self.entries.values()],
+            **(limits or self.room.report()),
             "swaps": self.swaps,
             "last_swap": self.last_swap,
         }
@@ -474,10 +402,13 @@ class CatalogBackend:
     def health(self) -> tuple[bool, dict[str, Any]]:
         """Ready while every model is either servable (cold, loading or serving) or failed
         alone: a model whose engine cannot boot is reported with its reason, and the others
-        keep serving (``status`` ``degraded``)."""
-        reports = {entry.id: self.model_report(entry) for entry in self.entries.values()}
+        keep serving (``status`` ``degraded``). A lone model: ready while its engine serves
+        with its adapters loaded, or once an admin unloaded it (the next request boots it)."""
+        if self.single:
+            return self._lone.health()
+        reports = {entry.id: entry.report() for entry in self.entries.values()}
         failed = {k: r["reason"] for k, r in reports.items() if r["residency"] == FAILED}
-        starting = not all(entry.backend.prepared for entry in self.entries.values())
+        starting = not all(entry.prepared for entry in self.entries.values())
         body: dict[str, Any] = {
             "status": "starting" if starting else ("degraded" if failed else "healthy"),
             "models": self.model_ids(),
@@ -494,13 +425,16 @@ class CatalogBackend:
     # ----- the adapter admin API, model by model (``AdminBackend``) -------------------------
 
     def adapters_report(self) -> dict[str, Any]:
-        """Every model's adapters, each entry with its ``base_model``."""
+        """Every model's adapters, each entry with its ``base_model`` (a lone model's with the
+        report's own ``base_model``)."""
+        if self.single:
+            return self._lone.adapters_report()
         data: list[dict[str, Any]] = []
         progress: list[dict[str, Any]] = []
         for entry in self.entries.values():
-            if not entry.backend.prepared or entry.backend.prepare_error is not None:
+            if not entry.prepared or entry.prepare_error is not None:
                 continue
-            report = entry.backend.adapters_report()
+            report = entry.adapters_report()
             data += [{**adapter, "base_model": entry.id} for adapter in report["data"]]
             progress += report["progress"]
         return {"base_models": list(self.entries), "data": data, "progress": progress,
@@ -509,17 +443,17 @@ class CatalogBackend:
     def _fleet_reports(self) -> dict[str, Any]:
         """Each model's part of a per-base-model adapters manifest, as it was applied."""
         return {
-            entry.id: entry.backend.fleet.report()
+            entry.id: entry.fleet.report()
             for entry in self.entries.values()
-            if entry.backend.fleet is not None
+            if entry.fleet is not None
         }
 
     def adapter_report(self, name: str) -> dict[str, Any]:
-        return {**self._adapter_owner(name).backend.adapter_report(name)}
+        return self._adapter_owner(name).adapter_report(name)
 
     def admit_adapter_change(self) -> None:
         for entry in self.entries.values():
-            entry.backend.admit_adapter_change()
+            entry.admit_adapter_change()
 
     async def put_adapter(
         self,
@@ -533,68 +467,85 @@ class CatalogBackend:
     ) -> dict[str, Any]:
         entry = self._adapter_owner(name, adding=True)
         async with self._kept_resident(entry, f"adapter {name} added by an admin"):
-            return await entry.backend.put_adapter(
+            return await entry.put_adapter(
                 name, source, revision, follow, preset, local_roots=local_roots
             )
 
+    @property
+    def _lone(self) -> ModelRuntime:
+        """A catalog of one's model."""
+        return next(iter(self.entries.values()))
+
     async def remove_adapter(self, name: str) -> None:
-        await self._adapter_owner(name).backend.remove_adapter(name)
+        await self._adapter_owner(name).remove_adapter(name)
 
     async def rollback_adapter(self, name: str) -> dict[str, Any]:
         entry = self._adapter_owner(name)
         async with self._kept_resident(entry, f"adapter {name} rolled back by an admin"):
-            return await entry.backend.rollback_adapter(name)
+            return await entry.rollback_adapter(name)
 
     async def engine_report(self) -> dict[str, Any]:
-        return {entry.id: await entry.backend.engine_report() for entry in self.entries.values()}
+        if self.single:
+            return await self._lone.engine_report()
+        return {entry.id: await entry.engine_report() for entry in self.entries.values()}
 
     async def restart_engine(self) -> EngineSnapshot:
-        return await self._default_entry().backend.restart_engine()
+        return await self._default_entry().restart_engine()
 
-    def _adapter_owner(self, name: str, adding: bool = False) -> CatalogEntry:
+    def _adapter_owner(self, name: str, adding: bool = False) -> ModelRuntime:
         """The model an adapter belongs to; a new one goes to the only model, or to the model
-        its name is prefixed with (``ID.NAME`` is not split: the catalog's ids are the choice)."""
+        its name is prefixed with (``ID.NAME`` is not split: the catalog's ids are the choice).
+        A lone model's own adapter manager answers for every name (an add under way too)."""
+        if self.single:
+            return self._lone
         entry = self.owner(name)
         if entry is not None and entry.id != name:
             return entry
         if adding and len(self.entries) == 1:
             return next(iter(self.entries.values()))
-        raise OpenAIError(
-            404 if not adding else 400,
-            f"no adapter named {name!r} in this catalog"
-            if not adding
-            else f"this catalog has {len(self.entries)} base models: add {name!r} in a model's "
-            "lora or adapter_dir in the config file",
-            code="adapter_not_found" if not adding else "ambiguous_base_model",
-        )
+        if adding:
+            raise AmbiguousBase(name, len(self.entries))
+        raise UnknownAdapter(name, " in this catalog")
 
     async def engine_metrics(self) -> bytes | None:
         """Every serving engine's own /metrics (``vllm:*``), each sample labelled with its
-        ``catalog_model``; None when no engine serves."""
+        ``catalog_model`` (a lone model's as it is); None when no engine serves."""
+        if self.single:
+            return await self._lone.engine_metrics()
         entries = list(self.entries.values())
-        scraped = await asyncio.gather(*(entry.backend.engine_metrics() for entry in entries))
+        scraped = await asyncio.gather(*(entry.engine_metrics() for entry in entries))
         found = {entry.id: text for entry, text in zip(entries, scraped, strict=True) if text}
         return merge_catalog_metrics(found) if found else None
 
     def engine_snapshot(self) -> EngineSnapshot:
         """The default model's engine (what reads one engine: the log tail, /health's uptime)."""
-        return self._default_entry().backend.engine_snapshot()
+        return self._default_entry().engine_snapshot()
 
     def engine_snapshots(self) -> dict[str, EngineSnapshot]:
         """Every model's engine, by model id (the metrics' engine gauges, one per model)."""
-        return {entry.id: entry.backend.engine_snapshot() for entry in self.entries.values()}
+        return {entry.id: entry.engine_snapshot() for entry in self.entries.values()}
 
-    def service_start(self) -> AllStarts:
+    async def adapter_stats(self) -> AdapterStats | None:
+        """A lone model's adapter counts (a catalog's are by model in ``/admin/models``)."""
+        return await self._lone.adapter_stats() if self.single else None
+
+    def max_model_len(self) -> int | None:
+        """A lone model's context length (a catalog's differ by model: None)."""
+        return self._lone.max_model_len() if self.single else None
+
+    def start_report(self) -> dict[str, Any] | None:
+        """A lone model's start progress for ``/health`` (a catalog's are by model)."""
+        return self._lone.start_report() if self.single else None
+
+    def service_start(self) -> ServiceStart:
         """How the start goes, for systemd: the catalog serves once every model is prepared (a
-        cold one answers) and its preloads have booted."""
-        models = {entry.id: entry.backend for entry in self.entries.values()}
+        cold one answers) and its preloads have booted; a lone model, once its engine has
+        booted (not when it failed)."""
+        if self.single:
+            return self._lone
+        models = {entry.id: entry for entry in self.entries.values()}
         return AllStarts(models, self._preloads)
 
 
-def _no_room(entry: CatalogEntry, why: str) -> OpenAIError:
-    return OpenAIError(
-        503,
-        f"no room to load model {entry.id!r}: {why}",
-        code="model_capacity",
-        headers={"Retry-After": "10"},
-    )
+def _no_room(entry: ModelRuntime, why: str) -> NotServing:
+    return NotServing(f"no room to load model {entry.id!r}: {why}", "model_capacity", 10)

@@ -1,9 +1,12 @@
-"""The bundled backend: a supervised vLLM engine with managed, hot-swappable adapters.
+"""One base model's whole life: its plan, engine, adapters, leases, requests and residency.
 
-It wires the three parts together: the supervisor runs the engine, the adapter manager owns
-what the engine serves and the routing table, and the proxy carries requests. Start-up work
-that can take a while (building the demo, downloading a model, preparing boot adapters) runs
-in the background so ``/health`` answers "starting" meanwhile.
+A ``ModelRuntime`` wires the parts of one model together: the plan (``plan_engine``) decides
+what its engine runs, the supervisor runs it, the adapter manager owns what the engine serves
+and the routing table, and a ``Lease`` hands a request the engine and the adapter version that
+answer it (the gateway's proxy carries the bytes). Start-up work that can take a while
+(building the demo, downloading a model, preparing boot adapters) runs in the background so
+``/health`` answers "starting" meanwhile. The catalog (``loragate.serving.catalog``) decides
+when the engine boots, sleeps and stops; every refusal is a domain error (``serving.errors``).
 """
 
 from __future__ import annotations
@@ -14,55 +17,83 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from starlette.responses import Response
-
 from loragate.adapters.fleet_reconciler import FleetReconciler
-from loragate.adapters.manager import AdapterError, AdapterManager
+from loragate.adapters.manager import AdapterManager
+from loragate.adapters.preset import ParameterRules, Preset
 from loragate.adapters.slots import AdapterSlots
 from loragate.adapters.stats import AdapterStats
 from loragate.adapters.wiring import adapter_manager_for, fleet_reconciler_for
 from loragate.engine_flags import engine_arg_value
-from loragate.engine_states import EngineSnapshot, EngineState, residency
+from loragate.engine_states import COLD, LOADING, EngineSnapshot, EngineState, residency
 from loragate.fetching.progress import WaitProgress, current_progress
-from loragate.gateway.backends.adapter_admin import AdapterAdmin
-from loragate.gateway.backends.base import EngineCall, json_post
-from loragate.gateway.errors import OpenAIError, model_not_found
-from loragate.gateway.observe import spans
-from loragate.gateway.proxy import (
-    AnyVersionRename,
-    ProxyClient,
-    Rename,
-    ResendBudget,
-    UpstreamUnreachable,
-)
-from loragate.gateway.requests.presets import parameter_rules, shaped_body
 from loragate.plan.engine_plan import EnginePlan, plan_engine
 from loragate.plan.gpu.placement import Placement
 from loragate.plan.preflight.problem import PreflightError
+from loragate.serving.adapter_admin import AdapterAdmin
 from loragate.serving.engine_metrics import scrape_engine_metrics
+from loragate.serving.engine_names import AnyVersionRename
+from loragate.serving.errors import ModelNotFound, NotServing
+from loragate.serving.eviction import Occupant
+from loragate.serving.sleep import asleep_hold
 from loragate.settings import Settings
+from loragate.settings.catalog import CatalogModel
 from loragate.supervisor.client import EngineClient
 from loragate.supervisor.command import EngineSpec
-from loragate.supervisor.engine import EngineSupervisor, EngineUnavailable
+from loragate.supervisor.engine import EngineEndpoint, EngineSupervisor, EngineUnavailable
 from loragate.supervisor.process import GatewayLock, tree_rss_bytes
 from loragate.supervisor.spare import SpareEngines, spare_engines
 from loragate.systemd import ServiceStart
 
+# States of an engine that is up or coming up: a request for it goes straight to it.
+_RUNNING = frozenset(
+    {EngineState.STARTING, EngineState.RESTARTING, EngineState.READY, EngineState.UNHEALTHY}
+)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What answers one request: the engine's ``endpoint``, the engine id of the adapter
+    version leased for it (None: a request that names no model), that version's ``preset``,
+    the base's engine id (answers carry it for base requests on the CPU build), and ``done``,
+    to call exactly once when the answer has ended, either way (it frees the version and the
+    adapter slot, and counts the request out)."""
+
+    endpoint: EngineEndpoint
+    engine_id: str | None
+    preset: Preset | None
+    base_engine_id: str
+    done: Callable[[], None]
+
+
 log = logging.getLogger("loragate.gateway")
 
 
-class SupervisedEngineBackend(AdapterAdmin):
+class ModelRuntime(AdapterAdmin):
     # With --adapters-manifest: what converges this gateway's adapters on the fleet's.
     fleet: FleetReconciler | None = None
     # A catalog's spare engines, shared by its models, or a lone model's own when it asks
     # for one (``loragate.supervisor.spare``).
     spares: SpareEngines | None = None
 
-    def __init__(self, settings: Settings, *, spares: SpareEngines | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        spec: CatalogModel | None = None,
+        *,
+        preset_rules: ParameterRules | None = None,
+        spares: SpareEngines | None = None,
+        fleet_part: str | None = None,
+    ) -> None:
         self.settings = settings
+        self.preset_rules = preset_rules
+        # Its id in the catalog (its served name), and what the catalog's config says of it
+        # (a gateway's one model: kept, and booted at start).
+        self.id = settings.served_model_name
+        self.spec = spec or CatalogModel(model=settings.model or self.id, keep=True, preload=True)
         self.cache_dir = settings.cache_dir.expanduser().resolve()
         self.base_name = settings.served_model_name
         self.spares = spares if spares is not None else spare_engines(settings, models=1)
@@ -71,10 +102,6 @@ class SupervisedEngineBackend(AdapterAdmin):
         )
         self.supervisor.queue_size = settings.queue_size
         self.engine = EngineClient(self.supervisor)
-        self.proxy = ProxyClient(
-            silence_limit=settings.upstream_timeout or None,
-            max_answer_bytes=settings.max_answer_bytes,
-        )
         self.manager: AdapterManager | None = None
         self.slots: AdapterSlots | None = None
         # What the engine runs, decided once prepared (``plan_engine``); boots add their own.
@@ -99,15 +126,20 @@ class SupervisedEngineBackend(AdapterAdmin):
         self.last_used = time.monotonic()
         # Stopped by ``gateway models unload``: cold until loaded by hand or by a request.
         self.unloaded_by_hand = False
-        self.loads_by_hand = 0
-        self._cold_load: asyncio.Future[None] | None = None
-        self._by_hand = asyncio.Lock()  # a load and an unload by hand, one after the other
         # What the plan says the running engine holds, for a catalog's memory budget.
         self.memory_bytes: int | None = None
         # A catalog model unloaded by vLLM's sleep mode: the engine runs with it enabled.
-        self.sleep_mode = False
+        self.sleep_mode = self.spec.sleep
         # A catalog model: its part of a per-base-model adapters manifest (``models.ID``).
-        self.fleet_part: str | None = None
+        self.fleet_part = fleet_part
+        # What the catalog counts of it: requests past the room check and not yet handed to
+        # the engine (waiting for its boot: it is idle, and may be unloaded, only with none of
+        # these and none in flight); the boot under way that later requests wait on; its
+        # loads, wakes and unloads, and why it was last unloaded.
+        self.wanted = 0
+        self.pending_load: asyncio.Future[None] | None = None
+        self.loads = self.wakes = self.unloads = 0
+        self.last_unload_reason: str | None = None
         # How far the start has come (download, dequantization, boot): /health, STATUS=.
         self.start_progress = WaitProgress(
             name=self.base_name, source=settings.model or "", stage="prepare"
@@ -117,22 +149,23 @@ class SupervisedEngineBackend(AdapterAdmin):
 
     # ----- life cycle ---------------------------------------------------------------------
 
-    async def start(self, boot: bool = True) -> None:
-        """Prepare the model and adapters in the background, then boot the engine; with
-        ``boot`` False, only prepare: ``load`` boots it later (a catalog's cold model)."""
+    async def start(self, serves_once_booted: bool = False) -> None:
+        """Prepare the model and adapters in the background; ``load`` boots the engine (the
+        catalog decides when). ``serves_once_booted``: the start is over (``until_serving``)
+        only once the engine has booted or failed, not once prepared (a gateway's one model)."""
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
         if self.spares is not None:
             await asyncio.to_thread(self.spares.end_stale)
-        self._boot_when_prepared = boot
+        self._boot_when_prepared = serves_once_booted
         self._bootstrap_task = asyncio.create_task(self._bootstrap(), name="engine-bootstrap")
 
     async def stop(self) -> None:
-        for task in (self._bootstrap_task, self._cold_load):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        task = self._bootstrap_task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         if self.fleet is not None:
             await self.fleet.aclose()
         if self.manager is not None:
@@ -141,7 +174,6 @@ class SupervisedEngineBackend(AdapterAdmin):
         if self.spares is not None:
             await asyncio.to_thread(self.spares.close)
         await self.engine.aclose()
-        await self.proxy.aclose()
         self._lock.release()
 
     def _engine_changed(self, state: EngineState, reason: str) -> None:
@@ -149,6 +181,7 @@ class SupervisedEngineBackend(AdapterAdmin):
             self.start_progress.enter("boot")
         elif state == EngineState.READY:
             self.start_progress.enter("done")
+            self.unloaded_by_hand = False
         if state in (EngineState.STARTING, EngineState.RESTARTING):
             self._engine_settled.clear()  # a boot under way: ready, failed or stopped next
         elif state in (EngineState.READY, EngineState.FAILED, EngineState.STOPPED):
@@ -204,12 +237,9 @@ class SupervisedEngineBackend(AdapterAdmin):
             self.start_progress.enter("failed")
             self._prepared.set()
             return
-        self._prepared.set()
         assert self.manager is not None
         self.supervisor.add_ready_hook(self.manager.on_engine_ready)
-        if self._boot_when_prepared:
-            self.start_progress.enter("boot")
-            await self.supervisor.start()
+        self._prepared.set()
 
     @property
     def prepared(self) -> bool:
@@ -257,7 +287,7 @@ class SupervisedEngineBackend(AdapterAdmin):
             supervisor=self.supervisor,
             base_name=self.base_name,
             zero_adapter=plan.zero_adapter,
-            preset_rules=parameter_rules,
+            preset_rules=self.preset_rules,
         )
         # A cold model (a catalog's, or one unloaded by hand) records adapter changes for
         # its next boot instead of waiting for an engine nobody is booting.
@@ -289,7 +319,7 @@ class SupervisedEngineBackend(AdapterAdmin):
     def model_ids(self) -> list[str]:
         if self.manager is None:
             return [self.base_name]
-        if self.unloaded_by_hand or self._cold_load is not None:
+        if self.unloaded_by_hand:
             return self.servable_models()  # cold: what its next boot serves, as in a catalog
         return self.manager.public_models()
 
@@ -345,79 +375,56 @@ class SupervisedEngineBackend(AdapterAdmin):
             )
         return False, body
 
-    async def _wait_for_engine(self, deadline: float) -> None:
+    async def until_engine_serves(self, deadline: float) -> None:
+        """Return once the engine serves, or raise ``NotServing`` at ``deadline`` (or at once
+        when the model could not be prepared, or its engine gave up)."""
+        if self.supervisor.serving and self._prepared.is_set():
+            return
         remaining = deadline - time.monotonic()
         if not self._prepared.is_set():
             try:
                 await asyncio.wait_for(self._prepared.wait(), max(0.0, remaining))
             except TimeoutError:
-                raise OpenAIError(
-                    503,
+                raise NotServing(
                     "the gateway is still preparing the model; retry shortly",
-                    code="engine_starting",
-                    headers={"Retry-After": "10"},
+                    "engine_starting",
+                    retry_after=10,
                 ) from None
         if self._prepare_error is not None:
-            raise OpenAIError(503, self._prepare_error, code="engine_failed")
+            raise NotServing(self._prepare_error, "engine_failed")
         try:
             await self.supervisor.wait_until_serving(max(0.0, deadline - time.monotonic()))
         except EngineUnavailable as exc:
-            raise OpenAIError(
-                503,
-                str(exc),
-                code="engine_unavailable",
-                headers={"Retry-After": str(exc.retry_after)},
-            ) from None
+            raise NotServing(str(exc), "engine_unavailable", exc.retry_after) from None
 
-    async def forward(
-        self, path: str, payload: dict[str, Any], public_model: str, stream: bool, request_id: str
-    ) -> Response:
-        return await self.relay(json_post(path, payload, public_model, stream, request_id))
-
-    async def relay(self, call: EngineCall) -> Response:
-        """Send ``call`` to the engine once it serves, leasing the adapter version it names."""
-        deadline = time.monotonic() + self.settings.queue_deadline
-        resends = ResendBudget(deadline)
-        while True:
-            if not (self.supervisor.serving and self._prepared.is_set()):
-                if self.unloaded_by_hand or self._cold_load is not None:
-                    # Cold: a request boots it, as in a catalog.
-                    await self.load_by_hand(self.base_name, "loaded on demand")
-                await self._wait_for_engine(deadline)
+    async def lease(self, public_model: str | None, deadline: float) -> Lease:
+        """The engine and adapter version for one request to ``public_model`` (None: it names
+        none), the version leased (and its adapter slot taken) until ``Lease.done``. Call once
+        ``until_engine_serves`` has returned."""
+        manager, endpoint = self.manager, self.supervisor.endpoint
+        if manager is None or endpoint is None:  # stopped since: wait for it again
+            await self.until_engine_serves(deadline)
             manager, endpoint = self.manager, self.supervisor.endpoint
             assert manager is not None and endpoint is not None
-            if call.public_model is None:
-                engine_id = None
-                rename: Rename | None = AnyVersionRename(manager.base_engine_id, self.base_name)
-                on_done: Callable[[], None] = _nothing
-            else:
-                with spans.step(spans.LEASE):
-                    engine_id = await self._lease(manager, call.public_model, deadline)
-                rename = Rename.of(engine_id, call.public_model)
-                on_done = functools.partial(self._request_done, manager, engine_id)
-            body = shaped_body(manager.preset_of(engine_id), call, engine_id, on_done)
-            self.in_flight += 1
-            try:
-                return await self.proxy.relay(
-                    call,
-                    endpoint.base_url + call.path,
-                    body,
-                    {"Authorization": f"Bearer {endpoint.api_key}"},
-                    rename=rename,
-                    on_done=functools.partial(self._answered, on_done),
-                    uds=endpoint.uds,
-                )
-            except UpstreamUnreachable as exc:
-                # The engine died just now: wait for the restart and send the request again.
-                if not resends.allows(exc):
-                    raise
-                await asyncio.sleep(0.2)
+        if public_model is None:
+            engine_id, release = None, _nothing
+        else:
+            engine_id = await self._lease(manager, public_model, deadline)
+            release = functools.partial(self._request_done, manager, engine_id)
+        self.in_flight += 1
+        return Lease(
+            endpoint,
+            engine_id,
+            manager.preset_of(engine_id),
+            manager.base_engine_id,
+            functools.partial(self._answered, release),
+        )
 
     async def _lease(self, manager: AdapterManager, public_model: str, deadline: float) -> str:
         """The engine id serving ``public_model``, leased (and its slot taken) until done."""
         engine_id = manager.acquire(public_model)
         if engine_id is None:
-            raise model_not_found(public_model, self.model_ids())
+            raise ModelNotFound(public_model, self.model_ids())
         if self.slots is not None and not self.slots.try_acquire(engine_id):
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
@@ -425,11 +432,10 @@ class SupervisedEngineBackend(AdapterAdmin):
             except BaseException as exc:
                 manager.release(engine_id)
                 if isinstance(exc, TimeoutError):
-                    raise OpenAIError(
-                        503,
+                    raise NotServing(
                         "too many adapters are busy in the engine; retry shortly",
-                        code="adapter_slots_busy",
-                        headers={"Retry-After": "5"},
+                        "adapter_slots_busy",
+                        retry_after=5,
                     ) from None
                 raise
         return engine_id
@@ -440,11 +446,11 @@ class SupervisedEngineBackend(AdapterAdmin):
             return data
         return AnyVersionRename(self.manager.base_engine_id, self.base_name).everywhere(data)
 
-    def _answered(self, on_done: Callable[[], None]) -> None:
-        """The proxy's ``on_done``: once per request sent, when its answer ended either way."""
+    def _answered(self, release: Callable[[], None]) -> None:
+        """A lease's ``done``: once per request sent, when its answer ended either way."""
         self.in_flight -= 1
         self.last_used = time.monotonic()
-        on_done()
+        release()
 
     def _request_done(self, manager: AdapterManager, engine_id: str) -> None:
         manager.release(engine_id)
@@ -487,87 +493,85 @@ class SupervisedEngineBackend(AdapterAdmin):
         await self.supervisor.restart()
         return self.supervisor.snapshot()
 
-    # ----- one model as a catalog of one (``ModelsAdmin``) ---------------------------------
+    # ----- what the catalog reads ------------------------------------------------------------
 
-    def residency(self, asleep: bool = False) -> str:
+    @property
+    def state(self) -> EngineState:
+        return self.supervisor.state
+
+    @property
+    def asleep(self) -> bool:
+        """Unloaded by vLLM's sleep mode: the engine runs, its weights in host memory."""
+        return self.supervisor.asleep
+
+    @property
+    def residency(self) -> str:
         return residency(
             self.supervisor.state,
             prepared=self.prepared,
             failed=self._prepare_error is not None,
-            asleep=asleep,
+            asleep=self.asleep,
         )
 
-    def model_entries(self) -> list[dict[str, Any]]:
-        """``/v1/models``: the base and its adapters, each with the base's ``residency``."""
-        ids, residency = self.model_ids(), self.residency()
-        return [
-            {"id": i, "parent": None if i == ids[0] else ids[0], "residency": residency}
-            for i in ids
-        ]
+    @property
+    def idle(self) -> bool:
+        return self.wanted == 0 and self.in_flight == 0
 
-    def catalog_report(self) -> dict[str, Any]:
-        """``gateway models list`` of a gateway serving one base model: that model, kept."""
+    @property
+    def takes_requests(self) -> bool:
+        """Up or coming up, and awake: a request for it goes straight to its engine."""
+        return self.state in _RUNNING and not self.asleep
+
+    def occupant(self) -> Occupant:
+        """This model as the room decision (``loragate.serving.eviction``) sees it."""
+        residency = self.residency
+        if residency == LOADING and self.state == EngineState.STOPPED:
+            residency = COLD  # still being prepared: no engine yet, it holds nothing
+        asleep = asleep_hold(self.gpu_placement, self.gpu_held)
+        return Occupant(
+            self.id,
+            residency,
+            last_used=self.last_used,
+            requests=self.wanted + self.in_flight,
+            memory_bytes=self.memory_bytes,
+            held_bytes=self.gpu_held,
+            asleep_bytes=asleep.gpu_bytes,
+            asleep_held=asleep.gpus,
+            asleep_host_bytes=asleep.host_bytes,
+            keep=self.spec.keep,
+            sleeps=self.sleep_mode,
+            ttl=self.spec.ttl,
+        )
+
+    def report(self) -> dict[str, Any]:
+        """This model as ``/admin/models`` (``gateway models list``) shows it."""
         _, health = self.health()
-        model = {
-            "id": self.base_name,
-            "model": self.settings.model,
-            "residency": self.residency(),
-            "state": str(self.supervisor.state),
+        asleep = asleep_hold(self.gpu_placement, self.gpu_held)
+        return {
+            "id": self.id,
+            "model": self.spec.model,
+            "residency": self.residency,
+            "state": str(self.state),
             "reason": health.get("reason") or self.supervisor.reason,
-            "adapters": [name for name in self.servable_models() if name != self.base_name],
+            "adapters": [name for name in self.servable_models() if name != self.id],
             "memory_bytes": self.memory_bytes,
+            # What it still holds asleep: of its GPUs, and of host memory (its weights).
+            "asleep_gpu_bytes": asleep.gpu_bytes if self.asleep else None,
+            "asleep_host_bytes": asleep.host_bytes if self.asleep else None,
             "in_flight": self.in_flight,
             "idle_seconds": round(time.monotonic() - self.last_used, 1),
-            "loads": self.loads_by_hand,
-            "wakes": 0,
-            "unloads": int(self.unloaded_by_hand),
-            "sleep_mode": False,
-            "last_unload_reason": "unloaded by an admin" if self.unloaded_by_hand else None,
-            "keep": True,
-            "ttl": None,
+            "loads": self.loads,
+            "wakes": self.wakes,
+            "unloads": self.unloads,
+            "sleep_mode": self.sleep_mode,
+            "last_unload_reason": self.last_unload_reason,
+            "keep": self.spec.keep,
+            "ttl": self.spec.ttl,
         }
-        return {"models": [model], "max_loaded_models": 1, "memory_budget": None, "swaps": 0}
-
-    async def load_by_hand(
-        self, model_id: str, reason: str = "loaded by an admin"
-    ) -> dict[str, Any]:
-        """Boot a cold engine (not one still being prepared, whose start boots it); callers
-        at once share one boot, which waits for an unload by hand under way to end."""
-        self._only_model(model_id)
-        cold = self.unloaded_by_hand or self.supervisor.state == EngineState.STOPPED
-        started = self._bootstrap_task is not None and self._bootstrap_task.done()
-        if self._cold_load is None and cold and started:
-            self.unloaded_by_hand = False
-            self.loads_by_hand += 1
-            self._cold_load = asyncio.ensure_future(self._load_by_hand(reason))
-            self._cold_load.add_done_callback(self._cold_load_done)
-        if self._cold_load is not None:
-            await asyncio.shield(self._cold_load)
-        return self.catalog_report()["models"][0]
-
-    async def _load_by_hand(self, reason: str) -> None:
-        async with self._by_hand:
-            await self.load(reason)
-
-    def _cold_load_done(self, task: asyncio.Future[None]) -> None:
-        self._cold_load = None
-
-    async def unload_by_hand(self, model_id: str) -> dict[str, Any]:
-        """Stop the engine, keeping the model and adapters: the next request boots it."""
-        self._only_model(model_id)
-        async with self._by_hand:
-            if self.supervisor.state not in (EngineState.STOPPED, EngineState.FAILED):
-                self.unloaded_by_hand = True
-                await self.unload("unloaded by an admin")
-        return self.catalog_report()["models"][0]
-
-    def _only_model(self, model_id: str) -> None:
-        if model_id != self.base_name:
-            raise model_not_found(model_id, [self.base_name])
 
 
 def _nothing() -> None:
     pass
 
 
-__all__ = ["AdapterError", "SupervisedEngineBackend"]
+__all__ = ["Lease", "ModelRuntime"]

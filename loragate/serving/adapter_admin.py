@@ -1,7 +1,7 @@
 """The adapter admin API of one base model's adapters (``AdminBackend``'s adapter half):
-list, describe, add, remove and roll back through its adapter manager, each refusal the
-OpenAI-style answer a client gets. A change is refused while the gateway is starting, and
-while a fleet manifest owns the adapters (a change here would diverge from the replicas)."""
+list, describe, add, remove and roll back through its adapter manager. A change is refused
+while the model is being prepared, and while a fleet manifest owns the adapters (a change here
+would diverge from the replicas); an operation's own failure is the manager's ``AdapterError``."""
 
 from __future__ import annotations
 
@@ -11,32 +11,26 @@ from typing import Any
 
 from loragate.adapters.fleet_reconciler import FleetReconciler
 from loragate.adapters.intake.pipeline import admitted_source
-from loragate.adapters.manager import AdapterError, AdapterManager
-from loragate.gateway.errors import OpenAIError
+from loragate.adapters.manager import AdapterManager
+from loragate.serving.errors import NotServing, OwnedByManifest, UnknownAdapter
 
 
 class AdapterAdmin:
-    """Mixed into a backend that owns an adapter manager once it has started."""
+    """Mixed into a model runtime, which owns an adapter manager once prepared."""
 
     manager: AdapterManager | None
     fleet: FleetReconciler | None
 
     def require_manager(self) -> AdapterManager:
         if self.manager is None:
-            raise OpenAIError(503, "the gateway is still starting", code="engine_starting")
+            raise NotServing("the gateway is still starting", "engine_starting")
         return self.manager
 
     def _changeable_manager(self) -> AdapterManager:
         """The manager, for a change to this gateway's adapters: refused when a fleet manifest
         owns them (a change here would diverge from the other replicas)."""
         if self.fleet is not None:
-            raise OpenAIError(
-                409,
-                f"this gateway serves the adapters of the manifest {self.fleet.report()['source']}"
-                "; change the manifest instead (every replica following it converges on the "
-                "change)",
-                code="managed_by_manifest",
-            )
+            raise OwnedByManifest(self.fleet.report()["source"])
         return self.require_manager()
 
     def admit_adapter_change(self) -> None:
@@ -59,9 +53,7 @@ class AdapterAdmin:
             body = manager.describe(name)
         except KeyError:
             if record is None:
-                raise OpenAIError(
-                    404, f"no adapter named {name!r}", code="adapter_not_found"
-                ) from None
+                raise UnknownAdapter(name) from None
             body = {"name": name, "state": record.stage if record.finished else "adding"}
         return {**body, "progress": record.as_dict() if record else None}
 
@@ -76,28 +68,14 @@ class AdapterAdmin:
         local_roots: Sequence[Path] | None,
     ) -> dict[str, Any]:
         manager = self._changeable_manager()
-        try:
-            if local_roots is not None:
-                source = await admitted_source(source, local_roots)
-            return await manager.put(name, source, revision, follow, preset=preset)
-        except AdapterError as exc:
-            raise _refusal(exc) from None
+        if local_roots is not None:
+            source = await admitted_source(source, local_roots)
+        return await manager.put(name, source, revision, follow, preset=preset)
 
     async def remove_adapter(self, name: str) -> None:
         manager = self._changeable_manager()
-        try:
-            await manager.remove(name)
-        except AdapterError as exc:
-            raise _refusal(exc) from None
+        await manager.remove(name)
 
     async def rollback_adapter(self, name: str) -> dict[str, Any]:
         manager = self._changeable_manager()
-        try:
-            return await manager.rollback(name)
-        except AdapterError as exc:
-            raise _refusal(exc) from None
-
-
-def _refusal(exc: AdapterError) -> OpenAIError:
-    """An adapter operation's error as the answer a client gets: its status, text and code."""
-    return OpenAIError(exc.status, str(exc), code=exc.code)
+        return await manager.rollback(name)

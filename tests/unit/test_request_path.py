@@ -1,0 +1,91 @@
+"""A chat request's path from the route to the engine, read off the call stack of a real
+request, is the one ``docs/architecture.md`` names, in at most five files.
+
+A real gateway (``gateway serve``'s own server, its hot path, and the same app under plain
+uvicorn) supervising the stand-in engine (``tools.bench.fake_engine``) on the tiny demo model,
+one model and a catalog: the moment the request's bytes go to the engine's socket
+(``UpstreamConnection.send``), the stack says which of loragate's files hold the request.
+The checks it passed on the way (body, parameters, presets) returned before and are not on
+it; the catalog's choice of model and the model's lease returned before the send too.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loragate.demo.layout import demo_adapter_dir, demo_base_dir
+from loragate.gateway.app import create_app
+from loragate.http.connection import UpstreamConnection
+from loragate.settings import Settings
+from tests.backend_double import serving
+from tests.unit.test_catalog import STAND_IN, catalog_settings, chat, wait_for
+
+PACKAGE = Path(__file__).resolve().parents[2] / "loragate"
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+
+
+def path_of_a_chat_request(
+    settings: Settings, model: str, monkeypatch: pytest.MonkeyPatch, *, as_served: bool
+) -> list[str]:
+    """The loragate files on the stack when the chat request is sent to the engine, from the
+    route (``gateway/routes/inference.py``) down, each once, in call order."""
+    stacks: list[list[str]] = []
+    real_send = UpstreamConnection.send
+
+    def send(self: UpstreamConnection, data: bytes, silence_limit: float | None = None) -> None:
+        if data.startswith(b"POST /v1/chat/completions "):
+            stacks.append([frame.filename for frame in traceback.extract_stack()])
+        real_send(self, data, silence_limit)
+
+    monkeypatch.setattr(UpstreamConnection, "send", send)
+    with serving(create_app(settings), as_served=as_served) as url:
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200)
+        answer = chat(url, model)
+        assert answer.status_code == 200, answer.text
+    (stack,) = stacks
+    files = [str(Path(f).relative_to(PACKAGE)) for f in stack if Path(f).is_relative_to(PACKAGE)]
+    files.append("http/connection.py")  # the function patched here: the write itself
+    path: list[str] = []
+    for file in files[files.index("gateway/routes/inference.py") :]:
+        if file not in path:
+            path.append(file)
+    return path
+
+
+def documented_path() -> list[str]:
+    """The files ``docs/architecture.md`` lists under "A chat request's path"."""
+    text = ARCHITECTURE.read_text()
+    section = text[text.index("### A chat request's path") :]
+    section = section[: section.index("\n### ", 1)]
+    return [m.removeprefix("loragate/") for m in re.findall(r"^\d+\. `([^`]+\.py)`", section, re.M)]
+
+
+@pytest.mark.parametrize("as_served", [True, False], ids=["gateway-serve", "uvicorn"])
+def test_a_chat_request_reaches_the_engine_through_the_five_files_the_docs_name(
+    tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch, as_served: bool
+) -> None:
+    settings = Settings(
+        cache_dir=tmp_path / "cache",
+        model=str(demo_base_dir(demo_dir)),
+        lora=[f"pong={demo_adapter_dir(demo_dir, 'pong')}"],
+        engine_command=STAND_IN,
+        probe_interval=0.2,
+    )
+    path = path_of_a_chat_request(settings, "pong", monkeypatch, as_served=as_served)
+    assert path == documented_path()
+    assert len(path) <= 5, path
+
+
+def test_a_catalogs_request_takes_the_same_path(
+    tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One model is a catalog of one: a catalog's request, its model cold until it came,
+    reaches the engine through the same files."""
+    settings = catalog_settings(tmp_path, demo_dir)
+    path = path_of_a_chat_request(settings, "fox", monkeypatch, as_served=True)
+    assert path == documented_path()
