@@ -192,11 +192,12 @@ class ManagedBackendDouble(RecordingBackend, ManagedBackend):
         RecordingBackend.__init__(self)
         # Built as the gateway builds it (nothing is spawned, locked or written until start),
         # then its one model's engine and adapters swapped for doubles.
-        ManagedBackend.__init__(self, Settings(cache_dir=_NOWHERE))
+        ManagedBackend.__init__(
+            self, Settings(cache_dir=_NOWHERE, model_name=AdapterManagerDouble.base_name)
+        )
         (self.runtime,) = self.catalog.entries.values()
         self.adapters = AdapterManagerDouble()
         self.supervisor = EngineSupervisorDouble()
-        self.runtime.base_name = self.adapters.base_name
         self.runtime._prepared.set()
         self.starts = 0
         self.stops = 0
@@ -251,7 +252,7 @@ class ProxiedBackend:
         adapters: AdapterStats | None = None,
         engine_url: str | None = None,
     ) -> None:
-        """``engine`` and ``adapters``: what it reports, as the supervised backend does, with
+        """``engine`` and ``adapters``: what it reports, as the managed backend does, with
         the engine's own /metrics scraped from ``engine_url`` while ``engine`` serves."""
         self.base_url = base_url
         self.models = models

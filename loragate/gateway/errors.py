@@ -86,8 +86,8 @@ def model_not_found(model: str, valid: list[str]) -> OpenAIError:
     return openai_error_of(ModelNotFound(model, valid))
 
 
-# The status each refusal of the serving core answers with.
-_SERVING_STATUS: dict[type[ServingError], int] = {
+# The status each refusal of the serving core answers with (a new kind: its parent's).
+_SERVING_STATUS: dict[type, int] = {
     ModelNotFound: 404,
     NotServing: 503,
     UnknownAdapter: 404,
@@ -103,8 +103,9 @@ def openai_error_of(exc: ServingError | AdapterError) -> OpenAIError:
     if isinstance(exc, AdapterError):
         return OpenAIError(exc.status, str(exc), code=exc.code)
     retry_after = exc.retry_after if isinstance(exc, NotServing) else None
+    status = next((_SERVING_STATUS[k] for k in type(exc).__mro__ if k in _SERVING_STATUS), 500)
     return OpenAIError(
-        _SERVING_STATUS[type(exc)],
+        status,
         exc.message,
         code=exc.code,
         param="model" if isinstance(exc, ModelNotFound) else None,

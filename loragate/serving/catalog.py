@@ -44,13 +44,18 @@ from loragate.periodic import PeriodicTask
 from loragate.plan.engine_spec import model_settings
 from loragate.serving.adapter_search import AdapterNotFound, AdapterSearch
 from loragate.serving.engine_metrics import merge_catalog_metrics
-from loragate.serving.errors import AmbiguousBase, ModelNotFound, NotServing, UnknownAdapter
+from loragate.serving.errors import (
+    AmbiguousBase,
+    ModelNotFound,
+    NotServing,
+    ServingError,
+    UnknownAdapter,
+)
 from loragate.serving.eviction import past_ttl
 from loragate.serving.model import ModelRuntime
 from loragate.serving.room import CatalogRoom
 from loragate.serving.sleep import put_to_sleep, wake
 from loragate.settings import Settings
-from loragate.settings.catalog import CatalogModel
 from loragate.supervisor.command import engine_base_env
 from loragate.supervisor.engine import EngineUnavailable
 from loragate.supervisor.spare import spare_engines
@@ -77,9 +82,8 @@ class Catalog:
         # One spare engine for whichever model boots next (loragate.supervisor.spare).
         self.spares = spare_engines(settings, models=len(settings.models) or 1)
         if self.single:
-            lone = CatalogModel(model=settings.model or settings.served_model_name, keep=True,
-                                preload=True)  # fmt: skip
-            models = [ModelRuntime(settings, lone, preset_rules=preset_rules, spares=self.spares)]
+            # Kept and preloaded: its runtime's own spec when the config gives it none.
+            models = [ModelRuntime(settings, preset_rules=preset_rules, spares=self.spares)]
         else:
             models = [
                 ModelRuntime(
@@ -101,6 +105,7 @@ class Catalog:
         )
         self._ttl = PeriodicTask("catalog-ttl", self._unload_idle, ttl_check_seconds, log=log)
         self._preloads: set[asyncio.Task[None]] = set()
+        self._stopping = False  # set by stop(): a request still waiting boots nothing
 
     # ----- life cycle ---------------------------------------------------------------------
 
@@ -124,7 +129,9 @@ class Catalog:
     async def stop(self) -> None:
         """Stop every engine, whatever failed before: the background tasks (ttl, preloads,
         adapter searches) are cancelled and waited for a moment, then every engine is stopped
-        together; one whose stop raises is logged and the others still stop."""
+        together; one whose stop raises is logged and the others still stop. No engine boots
+        from then on."""
+        self._stopping = True
         await self._ttl.aclose()
         background = [*self._search.searches(), *self._preloads]
         for task in background:
@@ -145,7 +152,7 @@ class Catalog:
     async def _preload(self, entry: ModelRuntime) -> None:
         try:
             await self.make_resident(entry, "preload")
-        except (NotServing, AdapterError) as exc:
+        except (ServingError, AdapterError) as exc:
             log.warning("model %s: not preloaded: %s", entry.id, exc)
         except Exception:
             log.exception("model %s: not preloaded", entry.id)
@@ -208,26 +215,31 @@ class Catalog:
             try:
                 # An operator's place (adapter_dir, resolvers): read wherever it is.
                 await entry.put_adapter(name, source, local_roots=None)
-            except (NotServing, AdapterError) as exc:
+            except (ServingError, AdapterError) as exc:
                 return str(exc)
         return None
 
     # ----- residency ----------------------------------------------------------------------
 
-    async def make_resident(self, entry: ModelRuntime, reason: str) -> None:
+    async def make_resident(
+        self, entry: ModelRuntime, reason: str, deadline: float | None = None
+    ) -> None:
         """Boot ``entry``'s engine if it is cold, unloading idle ones first to make room.
 
         Requests for a model whose load is under way wait for that load instead of queueing
-        for the room again, so a burst for one model costs one boot, not one per request."""
+        for the room again, so a burst for one model costs one boot, not one per request. A
+        request (``deadline``) waits for the model's preparation until then, no longer."""
         if entry.takes_requests or entry.residency == FAILED:
             return
-        await entry.wait_until_prepared()  # its plan (memory, GPUs) is known then
+        await entry.until_prepared(deadline)  # its plan (memory, GPUs) is known then
         if entry.pending_load is not None:
             await asyncio.shield(entry.pending_load)
             return
         async with self._changing:  # an unload in progress (STOPPING) ends first
             if entry.takes_requests or entry.residency == FAILED:
                 return
+            if self._stopping:
+                raise NotServing("the gateway is stopping", "engine_unavailable", retry_after=5)
             entry.pending_load = asyncio.get_running_loop().create_future()
             try:
                 evicted = [] if self.single else await self._make_room_for(entry)
@@ -244,7 +256,7 @@ class Catalog:
                 else:
                     # vLLM would refuse the boot (another program took that GPU memory)?
                     refused = await self.room.boot_refusal(entry.gpu_placement)
-                    if refused is not None and not self.single:
+                    if refused is not None:
                         raise _no_room(entry, refused)
                     log.info("model %s: loading (%s)", entry.id, reason)
                     entry.loads += 1
@@ -323,14 +335,15 @@ class Catalog:
 
     async def load_by_hand(self, model_id: str) -> dict[str, Any]:
         entry = self._entry(model_id)
-        await self.make_resident(entry, "loaded by an admin")
+        if not (self.single and not entry.prepared):  # a lone model's start boots it
+            await self.make_resident(entry, "loaded by an admin")
         return entry.report()
 
     async def unload_by_hand(self, model_id: str) -> dict[str, Any]:
         entry = self._entry(model_id)
         async with self._changing:
             if entry.state not in (EngineState.STOPPED, EngineState.FAILED):
-                entry.unloaded_by_hand = True  # the next request boots it
+                entry.unloaded_by_hand = self.single  # healthy while cold: a request boots it
                 await self.unload(entry, "unloaded by an admin", stop=True)
         return entry.report()
 
@@ -357,23 +370,40 @@ class Catalog:
 
     # ----- serving ------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def serving(self, public_model: str | None) -> AsyncIterator[ModelRuntime]:
+    async def take(self, public_model: str | None, deadline: float) -> ModelRuntime:
         """The model that answers a request for ``public_model`` (None: a request that names
-        none goes to the most recently used resident), made resident and kept so until the
-        block ends; ``ModelNotFound`` when no model has that name, nor finds it."""
-        if public_model is None:
+        none goes to the most recently used resident), made resident and kept so (never
+        unloaded) until ``give_back``; ``ModelNotFound`` when no model has that name, nor
+        finds it (a lone model's lease says so), ``NotServing`` when it is not prepared by
+        ``deadline``."""
+        if self.single:
+            entry = self._lone
+        elif public_model is None:
             entry = self._default_entry()
         else:
             entry = await self._owner_for(public_model)
-        async with self._kept_resident(entry, f"a request for {public_model or entry.id}"):
-            yield entry
+        if not entry.takes_requests:
+            await self.make_resident(entry, f"a request for {public_model or entry.id}", deadline)
+        entry.wanted += 1  # at once: nothing may unload it between the two
+        entry.last_used = time.monotonic()
+        return entry
+
+    def give_back(self, entry: ModelRuntime) -> None:
+        """A request ``take`` kept ``entry`` for has its answer (or failed): it may go now."""
+        entry.wanted -= 1
 
     @contextlib.asynccontextmanager
-    async def _kept_resident(self, entry: ModelRuntime, reason: str) -> AsyncIterator[None]:
+    async def _kept_resident(
+        self, entry: ModelRuntime, reason: str, deadline: float | None = None
+    ) -> AsyncIterator[None]:
         """``entry`` made resident and kept so (wanted: never unloaded) until the block ends: a
-        request, or an admin's adapter change whose download may take a while."""
-        await self.make_resident(entry, reason)
+        request, or an admin's adapter change whose download may take a while. A lone model
+        unloaded by hand is not booted for an adapter change: the change is recorded for its
+        next boot."""
+        if deadline is None and self.single:
+            yield
+            return
+        await self.make_resident(entry, reason, deadline)
         entry.wanted += 1  # at once: nothing may unload it between the two
         try:
             entry.last_used = time.monotonic()

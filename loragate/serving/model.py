@@ -17,9 +17,8 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from loragate.adapters.fleet_reconciler import FleetReconciler
 from loragate.adapters.manager import AdapterManager
@@ -54,13 +53,12 @@ _RUNNING = frozenset(
 )
 
 
-@dataclass(frozen=True)
-class Lease:
+class Lease(NamedTuple):
     """What answers one request: the engine's ``endpoint``, the engine id of the adapter
     version leased for it (None: a request that names no model), that version's ``preset``,
     the base's engine id (answers carry it for base requests on the CPU build), and ``done``,
-    to call exactly once when the answer has ended, either way (it frees the version and the
-    adapter slot, and counts the request out)."""
+    to call when the answer has ended, either way (it frees the version and the adapter slot,
+    and counts the request out; only the first call does)."""
 
     endpoint: EngineEndpoint
     engine_id: str | None
@@ -92,8 +90,9 @@ class ModelRuntime(AdapterAdmin):
         self.preset_rules = preset_rules
         # Its id in the catalog (its served name), and what the catalog's config says of it
         # (a gateway's one model: kept, and booted at start).
-        self.id = settings.served_model_name
-        self.spec = spec or CatalogModel(model=settings.model or self.id, keep=True, preload=True)
+        self.spec = spec or CatalogModel(
+            model=settings.model or settings.served_model_name, keep=True, preload=True
+        )
         self.cache_dir = settings.cache_dir.expanduser().resolve()
         self.base_name = settings.served_model_name
         self.spares = spares if spares is not None else spare_engines(settings, models=1)
@@ -157,7 +156,7 @@ class ModelRuntime(AdapterAdmin):
         self._lock.acquire()
         if self.spares is not None:
             await asyncio.to_thread(self.spares.end_stale)
-        self._boot_when_prepared = serves_once_booted
+        self._serves_once_booted = serves_once_booted
         self._bootstrap_task = asyncio.create_task(self._bootstrap(), name="engine-bootstrap")
 
     async def stop(self) -> None:
@@ -194,7 +193,7 @@ class ModelRuntime(AdapterAdmin):
         """True once it serves: its engine is ready (a catalog's cold model: once prepared);
         False when the start gave up (not prepared, or its engine failed)."""
         await self._prepared.wait()
-        booting = self._boot_when_prepared or self.supervisor.state != EngineState.STOPPED
+        booting = self._serves_once_booted or self.supervisor.state != EngineState.STOPPED
         if self._prepare_error is None and booting:
             await self._engine_settled.wait()
         return self._prepare_error is None and self.supervisor.state != EngineState.FAILED
@@ -239,6 +238,8 @@ class ModelRuntime(AdapterAdmin):
             return
         assert self.manager is not None
         self.supervisor.add_ready_hook(self.manager.on_engine_ready)
+        if self._serves_once_booted:
+            self.start_progress.enter("boot")  # in the same step: the start goes on (systemd)
         self._prepared.set()
 
     @property
@@ -252,6 +253,23 @@ class ModelRuntime(AdapterAdmin):
 
     async def wait_until_prepared(self) -> None:
         await self._prepared.wait()
+
+    async def until_prepared(self, deadline: float | None) -> None:
+        """Return once the model and adapters are set up (or could not be); with a
+        ``deadline``, ``NotServing`` (``engine_starting``) when they are not by then."""
+        if self._prepared.is_set():
+            return
+        if deadline is None:
+            await self._prepared.wait()
+            return
+        try:
+            await asyncio.wait_for(self._prepared.wait(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise NotServing(
+                "the gateway is still preparing the model; retry shortly",
+                "engine_starting",
+                retry_after=10,
+            ) from None
 
     async def load(self, reason: str) -> None:
         """Boot the engine of a started backend whose engine is stopped (a cold model), once
@@ -380,16 +398,7 @@ class ModelRuntime(AdapterAdmin):
         when the model could not be prepared, or its engine gave up)."""
         if self.supervisor.serving and self._prepared.is_set():
             return
-        remaining = deadline - time.monotonic()
-        if not self._prepared.is_set():
-            try:
-                await asyncio.wait_for(self._prepared.wait(), max(0.0, remaining))
-            except TimeoutError:
-                raise NotServing(
-                    "the gateway is still preparing the model; retry shortly",
-                    "engine_starting",
-                    retry_after=10,
-                ) from None
+        await self.until_prepared(deadline)
         if self._prepare_error is not None:
             raise NotServing(self._prepare_error, "engine_failed")
         try:
@@ -417,7 +426,7 @@ class ModelRuntime(AdapterAdmin):
             engine_id,
             manager.preset_of(engine_id),
             manager.base_engine_id,
-            functools.partial(self._answered, release),
+            _once(functools.partial(self._answered, release)),
         )
 
     async def _lease(self, manager: AdapterManager, public_model: str, deadline: float) -> str:
@@ -496,6 +505,11 @@ class ModelRuntime(AdapterAdmin):
     # ----- what the catalog reads ------------------------------------------------------------
 
     @property
+    def id(self) -> str:
+        """Its id in the catalog: its served name."""
+        return self.base_name
+
+    @property
     def state(self) -> EngineState:
         return self.supervisor.state
 
@@ -572,6 +586,19 @@ class ModelRuntime(AdapterAdmin):
 
 def _nothing() -> None:
     pass
+
+
+def _once(call: Callable[[], None]) -> Callable[[], None]:
+    """``call``, run the first time only: a lease ends once, however many ask."""
+    called = False
+
+    def first() -> None:
+        nonlocal called
+        if not called:
+            called = True
+            call()
+
+    return first
 
 
 __all__ = ["Lease", "ModelRuntime"]

@@ -154,12 +154,12 @@ def test_the_managed_backends_are_the_admin_interface() -> None:
     assert issubclass(ManagedCatalogBackend, AdminBackend)
 
 
-async def test_a_supervised_backend_still_starting_refuses_with_503_before_reading_a_body(
+async def test_a_managed_backend_still_starting_refuses_with_503_before_reading_a_body(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The real backend, its start held in planning the engine: no adapter manager yet."""
 
-    async def planning_forever(*args: Any) -> Any:
+    async def planning_forever(*args: Any, **kwargs: Any) -> Any:
         await asyncio.Event().wait()
 
     monkeypatch.setattr("loragate.serving.model.plan_engine", planning_forever)
@@ -175,6 +175,31 @@ async def test_a_supervised_backend_still_starting_refuses_with_503_before_readi
             "code": "engine_starting",
         }
         assert body.pulled == 0, (method, path)
+
+
+async def test_a_request_while_the_model_is_prepared_gets_a_503_at_the_queue_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone model still being prepared (its plan held here): a chat request waits for it
+    until ``queue_deadline``, then gets the 503 it can retry, not an answer that never comes."""
+
+    async def planning_forever(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr("loragate.serving.model.plan_engine", planning_forever)
+    settings = settings_for(tmp_path, model=str(tmp_path / "model"), queue_deadline=0.5)
+
+    async def ask(client: httpx.AsyncClient) -> httpx.Response:
+        body = {
+            "model": settings.served_model_name,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        return await asyncio.wait_for(client.post("/v1/chat/completions", json=body), 10)
+
+    answer = await call_app(settings, ManagedBackend(settings), ask)
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "engine_starting"
+    assert answer.headers["retry-after"] == "10"
 
 
 async def test_adapters_a_fleet_manifest_owns_refuse_every_change_with_409_and_its_source_redacted(

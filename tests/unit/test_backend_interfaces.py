@@ -23,32 +23,22 @@ from loragate.gateway.backends.custom_adapter import ViBackendAdapter
 from loragate.gateway.backends.managed import ManagedBackend, ManagedCatalogBackend
 from loragate.gateway.backends.upstream import UpstreamBackend
 
+# One model and a catalog: the same interfaces (one model is a catalog of one), a catalog's
+# engines also reported one by one.
+MANAGED = {
+    RunsEngine,
+    ReportsStart,
+    KnowsContextLength,
+    ServesPresets,
+    RelaysEngineCalls,
+    ListsModels,
+    ResolvesModels,
+    ModelsAdmin,
+    AdminBackend,
+}
 DOES: dict[type, set[type]] = {
-    # One model and a catalog: the same interfaces (one model is a catalog of one), the
-    # catalog's engines also reported one by one.
-    ManagedBackend: {
-        RunsEngine,
-        ReportsStart,
-        KnowsContextLength,
-        ServesPresets,
-        RelaysEngineCalls,
-        ListsModels,
-        ResolvesModels,
-        ModelsAdmin,
-        AdminBackend,
-    },
-    ManagedCatalogBackend: {
-        RunsEngine,
-        ReportsStart,
-        KnowsContextLength,
-        ServesPresets,
-        RelaysEngineCalls,
-        ListsModels,
-        ResolvesModels,
-        ModelsAdmin,
-        AdminBackend,
-        CatalogAdmin,
-    },
+    ManagedBackend: MANAGED,
+    ManagedCatalogBackend: MANAGED | {CatalogAdmin},
     UpstreamBackend: {KnowsContextLength, RelaysEngineCalls},
     ViBackendAdapter: {ListsModels},
 }

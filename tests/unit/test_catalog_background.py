@@ -68,8 +68,9 @@ async def test_stop_stops_every_engine_after_a_failed_ttl_pass_and_a_stop_that_r
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The ttl pass for alpha fails again and again (a hand-written loop ended at the first,
-    and stopping the catalog raised it again before any engine stopped); alpha's own stop
-    raises too. Stopping still returns, and beta's engine is stopped."""
+    and stopping the catalog raised it again before any engine stopped); a background task (a
+    preload) ended with an exception nobody read; alpha's own stop raises too. Stopping still
+    returns, and beta's engine is stopped."""
     base = str(demo_base_dir(demo_dir))
     models = {"alpha": {"model": base, "ttl": 0.2}, "beta": {"model": base}}
     settings = catalog_settings(tmp_path, demo_dir, models=models)
@@ -87,6 +88,9 @@ async def test_stop_stops_every_engine_after_a_failed_ttl_pass_and_a_stop_that_r
         await catalog.load_by_hand("beta")
         await until(lambda: beta.residency == "resident")
         await until(lambda: caplog.text.count("alpha: its ttl unload failed") >= 2)
+        failed = asyncio.create_task(refuse(), name="preload-that-failed")
+        await asyncio.wait([failed])
+        catalog._preloads.add(failed)  # as a preload whose failure nothing caught would be
         monkeypatch.setattr(alpha, "stop", refuse)
         await asyncio.wait_for(catalog.stop(), 60)  # returns: nothing raised
         assert beta.state == EngineState.STOPPED

@@ -275,7 +275,7 @@ def test_the_example_adapters_manifest_has_the_manifest_shape() -> None:
 
 
 class BootingBackend(ManagedBackendDouble):
-    """The supervised backend as the probes see it while its engine boots, then once it serves."""
+    """The managed backend as the probes see it while its engine boots, then once it serves."""
 
     engine_serving = False
 

@@ -55,7 +55,7 @@ def scrape(tmp_path: Path) -> Iterator[str]:
             adapters=adapter_stats(last_load_seconds=0.5, served=1),
             engine_url=engine_url,
         )
-        # As the supervised engine's backend does: engine ids back to public names.
+        # As the managed backend does: engine ids back to public names.
         backend.rename_engine_ids = AnyVersionRename("__base__@0123456789ab", "base").everywhere
         app = create_app(Settings(cache_dir=tmp_path), backend=backend)
         with serving(app) as url:

@@ -40,7 +40,7 @@ TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
 
 class VersionedBackend(ProxiedBackend):
     """Sends ``tuned`` to the engine as ``tuned@VERSION`` (a supervised engine's adapter id)
-    and renames it back in the answer, as the supervised backend does; reports a serving
+    and renames it back in the answer, as the managed backend does; reports a serving
     engine whose own /metrics it scrapes."""
 
     def __init__(self, base_url: str) -> None:

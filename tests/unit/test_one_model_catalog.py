@@ -88,6 +88,14 @@ def test_gateway_models_list_load_unload_on_a_one_model_gateway(
         missing = models(url, "load", "gamma")
         assert missing.returncode != 0 and "gamma" in missing.stderr
 
+        assert models(url, "unload", base).returncode == 0  # and loaded by hand this time
+        reloaded = models(url, "load", base)  # returns once the boot has begun
+        assert reloaded.returncode == 0 and reloaded.stdout.startswith(f"{base}: loading")
+        wait_for(lambda: residency(url)[base] == "resident")
+        third_pid = engine_pid(url)
+        assert third_pid is not None and third_pid not in (first_pid, second_pid)
+        assert chat(url, "pong").json()["model"] == "pong"
+
 
 def test_requests_during_an_unload_by_hand_boot_the_engine_again_once_it_stopped(
     tmp_path: Path, demo_dir: Path
@@ -116,7 +124,8 @@ def test_requests_during_an_unload_by_hand_boot_the_engine_again_once_it_stopped
             headers=ADMIN,
             timeout=60,
         )
-        assert added.status_code == 200, added.text  # recorded for the next boot
+        assert added.status_code == 200, added.text  # recorded for the next boot...
+        assert engine_pid(url) is None  # ...which it did not start
         answer = chat(url, "fox")
         assert answer.status_code == 200 and answer.json()["model"] == "fox", answer.text
 

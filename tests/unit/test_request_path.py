@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -23,14 +24,27 @@ from loragate.gateway.app import create_app
 from loragate.http.connection import UpstreamConnection
 from loragate.settings import Settings
 from tests.backend_double import serving
-from tests.unit.test_catalog import STAND_IN, catalog_settings, chat, wait_for
+from tests.unit.test_catalog import (
+    ADMIN,
+    STAND_IN,
+    catalog_settings,
+    chat,
+    residency,
+    wait_for,
+)
 
 PACKAGE = Path(__file__).resolve().parents[2] / "loragate"
 ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 
 def path_of_a_chat_request(
-    settings: Settings, model: str, monkeypatch: pytest.MonkeyPatch, *, as_served: bool
+    settings: Settings,
+    model: str,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    as_served: bool,
+    before: Callable[[str], None] | None = None,
+    after: Callable[[str], None] | None = None,
 ) -> list[str]:
     """The loragate files on the stack when the chat request is sent to the engine, from the
     route (``gateway/routes/inference.py``) down, each once, in call order."""
@@ -45,8 +59,13 @@ def path_of_a_chat_request(
     monkeypatch.setattr(UpstreamConnection, "send", send)
     with serving(create_app(settings), as_served=as_served) as url:
         wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200)
+        if before is not None:
+            before(url)
         answer = chat(url, model)
         assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == model
+        if after is not None:
+            after(url)
     (stack,) = stacks
     files = [str(Path(f).relative_to(PACKAGE)) for f in stack if Path(f).is_relative_to(PACKAGE)]
     files.append("http/connection.py")  # the function patched here: the write itself
@@ -81,11 +100,22 @@ def test_a_chat_request_reaches_the_engine_through_the_five_files_the_docs_name(
     assert len(path) <= 5, path
 
 
-def test_a_catalogs_request_takes_the_same_path(
-    tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("as_served", [True, False], ids=["gateway-serve", "uvicorn"])
+def test_a_cold_catalog_models_request_takes_the_same_path(
+    tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch, as_served: bool
 ) -> None:
-    """One model is a catalog of one: a catalog's request, its model cold until it came,
-    reaches the engine through the same files."""
+    """One model is a catalog of one: a catalog's request, its model cold until it came (it
+    booted for it: one load), reaches the engine through the same files."""
     settings = catalog_settings(tmp_path, demo_dir)
-    path = path_of_a_chat_request(settings, "fox", monkeypatch, as_served=True)
+
+    def cold(url: str) -> None:
+        assert residency(url)["beta"] == "cold"
+
+    def booted_once(url: str) -> None:
+        models = httpx.get(f"{url}/admin/models", headers=ADMIN, timeout=10).json()["models"]
+        assert {m["id"]: m["loads"] for m in models}["beta"] == 1
+
+    path = path_of_a_chat_request(
+        settings, "fox", monkeypatch, as_served=as_served, before=cold, after=booted_once
+    )
     assert path == documented_path()

@@ -78,37 +78,46 @@ class ManagedBackend:
         deadline = time.monotonic() + self.settings.queue_deadline
         resends = ResendBudget(deadline)
         public_model = call.public_model
-        with _refusals_answered():
-            async with self.catalog.serving(public_model) as model:
-                while True:
-                    await model.until_engine_serves(deadline)
-                    if public_model is None:
-                        lease = await model.lease(None, deadline)
-                        rename: Rename | None = AnyVersionRename(
-                            lease.base_engine_id, model.base_name
-                        )
-                    else:
-                        with spans.step(spans.LEASE):
-                            lease = await model.lease(public_model, deadline)
-                        assert lease.engine_id is not None
-                        rename = Rename.of(lease.engine_id, public_model)
+        while True:
+            try:
+                # Again for a resend: a model stopped meanwhile (by an admin) boots again.
+                model = await self.catalog.take(public_model, deadline)
+            except (ServingError, AdapterError) as exc:
+                raise openai_error_of(exc) from None
+            try:
+                await model.until_engine_serves(deadline)
+                if public_model is None:
+                    lease = await model.lease(None, deadline)
+                    rename: Rename | None = AnyVersionRename(lease.base_engine_id, model.base_name)
+                else:
+                    with spans.step(spans.LEASE):
+                        lease = await model.lease(public_model, deadline)
+                    assert lease.engine_id is not None
+                    rename = Rename.of(lease.engine_id, public_model)
+                try:
                     body = shaped_body(lease.preset, call, lease.engine_id, lease.done)
-                    endpoint = lease.endpoint
-                    try:
-                        return await self.proxy.relay(
-                            call,
-                            endpoint.base_url + call.path,
-                            body,
-                            endpoint.headers,
-                            rename=rename,
-                            on_done=lease.done,
-                            uds=endpoint.uds,
-                        )
-                    except UpstreamUnreachable as exc:
-                        # The engine died just now: wait for the restart and send it again.
-                        if not resends.allows(exc):
-                            raise
-                        await asyncio.sleep(0.2)
+                except BaseException:
+                    lease.done()  # a refusal of the preset's, or anything else
+                    raise
+                endpoint = lease.endpoint
+                return await self.proxy.relay(
+                    call,
+                    endpoint.base_url + call.path,
+                    body,
+                    endpoint.headers,
+                    rename=rename,
+                    on_done=lease.done,
+                    uds=endpoint.uds,
+                )
+            except UpstreamUnreachable as exc:
+                # The engine died just now: wait for the restart and send it again.
+                if not resends.allows(exc):
+                    raise
+            except (ServingError, AdapterError) as exc:
+                raise openai_error_of(exc) from None
+            finally:
+                self.catalog.give_back(model)
+            await asyncio.sleep(0.2)
 
     # ----- which models, and how they are -------------------------------------------------
 
