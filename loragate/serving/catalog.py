@@ -96,6 +96,7 @@ class Catalog:
                 for model_id, spec in settings.models.items()
             ]
         self.entries = {model.id: model for model in models}
+        self._lone = models[0]  # a catalog of one's model (read only when ``single``)
         self.room = CatalogRoom.given(settings)  # measured at start
         self.swaps = 0
         self.last_swap: dict[str, Any] | None = None
@@ -160,6 +161,8 @@ class Catalog:
     # ----- which model serves a name ------------------------------------------------------
 
     def model_ids(self) -> list[str]:
+        if self.single:  # every request asks: a lone model's own list, as it is
+            return self._lone.model_ids()
         return [name for entry in self.entries.values() for name in self._names_of(entry)]
 
     def _names_of(self, entry: ModelRuntime) -> list[str]:
@@ -500,11 +503,6 @@ class Catalog:
             return await entry.put_adapter(
                 name, source, revision, follow, preset, local_roots=local_roots
             )
-
-    @property
-    def _lone(self) -> ModelRuntime:
-        """A catalog of one's model."""
-        return next(iter(self.entries.values()))
 
     async def remove_adapter(self, name: str) -> None:
         await self._adapter_owner(name).remove_adapter(name)

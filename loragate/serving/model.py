@@ -393,6 +393,11 @@ class ModelRuntime(AdapterAdmin):
             )
         return False, body
 
+    @property
+    def serves_now(self) -> bool:
+        """Prepared, and its engine serves: a request needs no wait."""
+        return self.supervisor.serving and self._prepared.is_set()
+
     async def until_engine_serves(self, deadline: float) -> None:
         """Return once the engine serves, or raise ``NotServing`` at ``deadline`` (or at once
         when the model could not be prepared, or its engine gave up)."""

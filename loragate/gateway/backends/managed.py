@@ -85,7 +85,8 @@ class ManagedBackend:
             except (ServingError, AdapterError) as exc:
                 raise openai_error_of(exc) from None
             try:
-                await model.until_engine_serves(deadline)
+                if not model.serves_now:
+                    await model.until_engine_serves(deadline)
                 if public_model is None:
                     lease = await model.lease(None, deadline)
                     rename: Rename | None = AnyVersionRename(lease.base_engine_id, model.base_name)
