@@ -214,7 +214,7 @@ class Catalog:
         pipeline (booting the model first): None once it serves, else why it could not."""
         entry = self.entries[model_id]
         async with self._kept_resident(entry, f"adapter {name} requested"):
-            await entry.wait_until_prepared()
+            await entry.until_prepared(None)
             try:
                 # An operator's place (adapter_dir, resolvers): read wherever it is.
                 await entry.put_adapter(name, source, local_roots=None)

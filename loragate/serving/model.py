@@ -222,15 +222,11 @@ class ModelRuntime(AdapterAdmin):
         current_progress.set(self.start_progress)
         try:
             await self._prepare()
-        except PreflightError as exc:
-            self._prepare_error = str(exc)
-            log.error(self._prepare_error)
-            self.start_progress.error = self._prepare_error
-            self.start_progress.enter("failed")
-            self._prepared.set()
-            return
         except Exception as exc:
-            self._prepare_error = f"could not prepare the model and adapters: {exc}"
+            preflight = isinstance(exc, PreflightError)  # its own words: what to change
+            self._prepare_error = (
+                str(exc) if preflight else f"could not prepare the model and adapters: {exc}"
+            )
             log.error(self._prepare_error)
             self.start_progress.error = self._prepare_error
             self.start_progress.enter("failed")
@@ -250,9 +246,6 @@ class ModelRuntime(AdapterAdmin):
     @property
     def prepare_error(self) -> str | None:
         return self._prepare_error
-
-    async def wait_until_prepared(self) -> None:
-        await self._prepared.wait()
 
     async def until_prepared(self, deadline: float | None) -> None:
         """Return once the model and adapters are set up (or could not be); with a
@@ -589,7 +582,7 @@ class ModelRuntime(AdapterAdmin):
         }
 
 
-def _nothing() -> None:
+def _nothing() -> None:  # a lease of no adapter version: nothing to free
     pass
 
 
@@ -604,6 +597,3 @@ def _once(call: Callable[[], None]) -> Callable[[], None]:
             call()
 
     return first
-
-
-__all__ = ["Lease", "ModelRuntime"]

@@ -97,7 +97,7 @@ async def started_with(
     backend.sleep_mode = sleep_mode
     await backend.start()
     try:
-        await backend.wait_until_prepared()
+        await backend.until_prepared(None)
         assert backend.prepare_error is None, backend.prepare_error
         spec = backend._engine_spec(tmp_path / "engine.sock", "per-boot-key")
         argv, env = engine_argv(spec), engine_env(spec)
@@ -302,7 +302,7 @@ async def test_a_catalogs_gpu_placement_is_the_one_the_engine_boots_with(
     )  # fmt: skip
     await backend.start()
     try:
-        await backend.wait_until_prepared()
+        await backend.until_prepared(None)
         spec = backend._engine_spec(tmp_path / "engine.sock", "key")
     finally:
         await backend.stop()
