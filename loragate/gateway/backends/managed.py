@@ -47,9 +47,9 @@ def _refusals_answered() -> Iterator[None]:
 class ManagedBackend:
     """A gateway's own engines behind the routes: its one model, or its catalog's models."""
 
-    def __init__(self, settings: Settings, **catalog_options: Any) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.catalog = Catalog(settings, preset_rules=parameter_rules, **catalog_options)
+        self.catalog = Catalog(settings, preset_rules=parameter_rules)
         self.proxy = ProxyClient(
             silence_limit=settings.upstream_timeout or None,
             max_answer_bytes=settings.max_answer_bytes,
@@ -218,7 +218,7 @@ class ManagedCatalogBackend(ManagedBackend):
         return self.catalog.engine_snapshots()
 
 
-def managed_backend(settings: Settings, **catalog_options: Any) -> ManagedBackend:
+def managed_backend(settings: Settings) -> ManagedBackend:
     """The managed backend ``settings`` ask for: a catalog's, or one model's."""
     kind = ManagedCatalogBackend if settings.models else ManagedBackend
-    return kind(settings, **catalog_options)
+    return kind(settings)
