@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from loragate.adapters.fleet_reconciler import FleetReconciler
 from loragate.adapters.manager import AdapterManager
@@ -53,18 +52,35 @@ _RUNNING = frozenset(
 )
 
 
-class Lease(NamedTuple):
+class Lease:
     """What answers one request: the engine's ``endpoint``, the engine id of the adapter
     version leased for it (None: a request that names no model), that version's ``preset``,
     the base's engine id (answers carry it for base requests on the CPU build), and ``done``,
     to call when the answer has ended, either way (it frees the version and the adapter slot,
-    and counts the request out; only the first call does)."""
+    and counts the request out; only the first call does). One object per request, on
+    purpose: every object a request holds while it waits for the engine is one more for the
+    garbage collector's youngest generation (``scripts/bench.py`` at saturation)."""
 
-    endpoint: EngineEndpoint
-    engine_id: str | None
-    preset: Preset | None
-    base_engine_id: str
-    done: Callable[[], None]
+    __slots__ = ("_manager", "_model", "base_engine_id", "endpoint", "engine_id", "preset")
+
+    def __init__(
+        self,
+        model: ModelRuntime,
+        manager: AdapterManager,
+        endpoint: EngineEndpoint,
+        engine_id: str | None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.engine_id = engine_id
+        self.preset: Preset | None = manager.preset_of(engine_id)
+        self.base_engine_id = manager.base_engine_id
+        self._model: ModelRuntime | None = model
+        self._manager = manager
+
+    def done(self) -> None:
+        model, self._model = self._model, None
+        if model is not None:
+            model.answered(self._manager, self.engine_id)
 
 
 log = logging.getLogger("loragate.gateway")
@@ -413,19 +429,11 @@ class ModelRuntime(AdapterAdmin):
             await self.until_engine_serves(deadline)
             manager, endpoint = self.manager, self.supervisor.endpoint
             assert manager is not None and endpoint is not None
-        if public_model is None:
-            engine_id, release = None, _nothing
-        else:
-            engine_id = await self._lease(manager, public_model, deadline)
-            release = functools.partial(self._request_done, manager, engine_id)
-        self.in_flight += 1
-        return Lease(
-            endpoint,
-            engine_id,
-            manager.preset_of(engine_id),
-            manager.base_engine_id,
-            _once(functools.partial(self._answered, release)),
+        engine_id = (
+            None if public_model is None else await self._lease(manager, public_model, deadline)
         )
+        self.in_flight += 1
+        return Lease(self, manager, endpoint, engine_id)
 
     async def _lease(self, manager: AdapterManager, public_model: str, deadline: float) -> str:
         """The engine id serving ``public_model``, leased (and its slot taken) until done."""
@@ -453,16 +461,14 @@ class ModelRuntime(AdapterAdmin):
             return data
         return AnyVersionRename(self.manager.base_engine_id, self.base_name).everywhere(data)
 
-    def _answered(self, release: Callable[[], None]) -> None:
-        """A lease's ``done``: once per request sent, when its answer ended either way."""
+    def answered(self, manager: AdapterManager, engine_id: str | None) -> None:
+        """A lease's ``done``: the answer to a request sent with ``engine_id`` has ended."""
         self.in_flight -= 1
         self.last_used = time.monotonic()
-        release()
-
-    def _request_done(self, manager: AdapterManager, engine_id: str) -> None:
-        manager.release(engine_id)
-        if self.slots is not None:
-            self.slots.release(engine_id)
+        if engine_id is not None:
+            manager.release(engine_id)
+            if self.slots is not None:
+                self.slots.release(engine_id)
 
     # ----- what metrics and status read (``ObservableBackend``) ------------------------------
 
@@ -580,20 +586,3 @@ class ModelRuntime(AdapterAdmin):
             "keep": self.spec.keep,
             "ttl": self.spec.ttl,
         }
-
-
-def _nothing() -> None:  # a lease of no adapter version: nothing to free
-    pass
-
-
-def _once(call: Callable[[], None]) -> Callable[[], None]:
-    """``call``, run the first time only: a lease ends once, however many ask."""
-    called = False
-
-    def first() -> None:
-        nonlocal called
-        if not called:
-            called = True
-            call()
-
-    return first

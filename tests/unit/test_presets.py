@@ -379,6 +379,9 @@ def test_each_request_gets_the_preset_of_the_version_that_served_it_through_swap
         )
         assert too_many.status_code == 400
         assert too_many.json()["error"]["param"] == "max_tokens"
+        # The refusal gave its lease back: no request is counted in flight.
+        (row,) = httpx.get(f"{url}/admin/models", headers=ADMIN, timeout=10).json()["models"]
+        assert row["in_flight"] == 0
         assert tokens_answered(url) == 4  # no max_tokens asked: the clamp is the limit
 
 

@@ -96,7 +96,7 @@ class ManagedBackend:
                     assert lease.engine_id is not None
                     rename = Rename.of(lease.engine_id, public_model)
                 try:
-                    body = shaped_body(lease.preset, call, lease.engine_id, lease.done)
+                    body = shaped_body(lease.preset, call, lease.engine_id)
                 except BaseException:
                     lease.done()  # a refusal of the preset's, or anything else
                     raise

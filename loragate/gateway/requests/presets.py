@@ -12,7 +12,6 @@ the same checks a request's own values get.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -67,21 +66,14 @@ def parameter_rules(name: str, value: Any) -> None:
     raise ValueError(problems[0])
 
 
-def shaped_body(
-    preset: Preset | None, call: EngineCall, engine_id: str | None, release: Callable[[], None]
-) -> bytes:
+def shaped_body(preset: Preset | None, call: EngineCall, engine_id: str | None) -> bytes:
     """The bytes to send for ``call``, which leased ``engine_id``: a generation request
-    shaped by the version's ``preset``; else the call's own body. A request the preset
-    refuses (a clamp) gives its lease back (``release``) before the 400 is raised."""
+    shaped by the version's ``preset``; else the call's own body. 400 (``OpenAIError``) for
+    a request the preset refuses (a clamp): the caller gives its lease back."""
     route = kind_of(call.path)  # None: a preset does not apply to it
     if preset is None or call.payload is None or route is None:
         return call.body(engine_id)
-    try:
-        shaped = apply_preset(preset, call.payload, route)
-    except OpenAIError:
-        release()
-        raise
-    return orjson.dumps({**shaped, "model": engine_id})
+    return orjson.dumps({**apply_preset(preset, call.payload, route), "model": engine_id})
 
 
 def apply_preset(preset: Preset, payload: dict[str, Any], route: Route) -> dict[str, Any]:
