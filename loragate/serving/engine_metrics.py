@@ -9,8 +9,8 @@ changes, so one scrape target reads as one service:
   the zero adapter's becoming the base model's;
 - the engine's ``process_*`` and ``python_*`` families are dropped: those names belong to the
   process being scraped, the gateway, whose own come from ``prometheus_client``'s standard
-  collectors (``process_*`` with open fds and start time, ``python_info``; ``metrics_scrape``),
-  once.
+  collectors (``process_*`` with open fds and start time, ``python_info``, ``python_gc_*``;
+  ``metrics_scrape``), once.
 """
 
 from __future__ import annotations

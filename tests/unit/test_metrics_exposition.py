@@ -26,6 +26,9 @@ process_open_fds 987654.0
 # HELP python_info Python platform information
 # TYPE python_info gauge
 python_info{implementation="CPython",major="3",minor="11",patchlevel="9",version="3.11.9"} 1.0
+# HELP python_gc_collections_total Number of times this generation was collected
+# TYPE python_gc_collections_total counter
+python_gc_collections_total{generation="0"} 424242.0
 # HELP vllm:lora_requests_info Running stats on lora requests.
 # TYPE vllm:lora_requests_info gauge
 vllm:lora_requests_info{max_lora="3",running_lora_adapters="fox@00112233aabb,__base__@0123456789ab",waiting_lora_adapters=""} 1.7e+09
@@ -76,6 +79,10 @@ def test_the_scrape_parses_with_prometheus_client(scrape: str) -> None:
     )
     assert names["process_open_fds"] == 1
     assert names["python_info"] == 1
+    # The gateway's garbage collections, one series per generation; the engine's dropped.
+    collections = families["python_gc_collections"].samples
+    assert sorted(s.labels["generation"] for s in collections) == ["0", "1", "2"]
+    assert 424242.0 not in {s.value for s in collections}
 
 
 def test_engine_series_carry_public_names_and_their_component(scrape: str) -> None:

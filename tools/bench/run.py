@@ -45,6 +45,7 @@ from tools.bench.load import Target, Workload
 from tools.bench.stats import (
     DIRECT,
     HEADER,
+    GatewayCounters,
     ProcessWatch,
     Report,
     combine,
@@ -179,32 +180,6 @@ def _fronts(given: str) -> list[str]:
     return fronts
 
 
-class OverheadMeter:
-    """The gateway's own account of its time per request (its /metrics), over one phase."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url + "/metrics"
-        self._start = (0.0, 0.0)
-
-    def _read(self) -> tuple[float, float]:
-        total = count = 0.0
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            for line in httpx.get(self.url, timeout=10).text.splitlines():
-                if line.startswith("loragate_gateway_overhead_seconds_sum"):
-                    total = float(line.split()[-1])
-                elif line.startswith("loragate_gateway_overhead_seconds_count"):
-                    count = float(line.split()[-1])
-        return total, count
-
-    def start(self) -> None:
-        self._start = self._read()
-
-    def mean(self) -> float:
-        total, count = self._read()
-        spent, requests = total - self._start[0], count - self._start[1]
-        return spent / requests if requests else math.nan
-
-
 def machine_line() -> str:
     model = platform.processor() or ""
     with contextlib.suppress(OSError):
@@ -324,7 +299,7 @@ async def measure_engine(
     short = Workload(max_tokens=1)
     await load.interleaved(targets, short, 1, 10)  # warm-up: connections, caches, engine paths
     await load.interleaved(targets, short, 8, 3)
-    overhead = OverheadMeter(gateway.url)
+    overhead = GatewayCounters(gateway.url)
 
     report.say("")
     report.say(
@@ -505,7 +480,7 @@ async def measure_proxy(report: Report, options: Options, setup: Setup, rss_idle
     targets, gateway = setup.targets, setup.gateway
     short = Workload(max_tokens=1)
     await load.interleaved(targets, short, 1, 200)
-    overhead = OverheadMeter(gateway.url)
+    overhead = GatewayCounters(gateway.url)
     overhead.start()
     samples = await load.interleaved(targets, short, 1, options.proxy_rounds)
     report.say(HEADER)
@@ -524,6 +499,8 @@ async def measure_proxy(report: Report, options: Options, setup: Setup, rss_idle
     watches = [ProcessWatch(p, n) for p, n in [(gateway, GATEWAY)]]
     watches += [ProcessWatch(p, NGINX if isinstance(p, Nginx) else FLOOR) for p in setup.others]
     before, after = combine(*watches)
+    counters = GatewayCounters(gateway.url)
+    counters.start()
     report.say(
         f"  saturated, concurrency {options.proxy_concurrency} ({options.block_rounds} x "
         f"{options.block_seconds:g} s blocks):"
@@ -548,6 +525,8 @@ async def measure_proxy(report: Report, options: Options, setup: Setup, rss_idle
             f"per core at 100% CPU); RSS {watch.process.rss() / 2**20:.1f} MB"
             + (f" ({rss_idle / 2**20:.1f} MB idle)" if watch.target == GATEWAY else "")
         )
+    young = counters.young_collections() * 1000
+    report.say(f"  loragate: {young:.1f} young-generation garbage collections per 1000 requests")
 
 
 # ----- entry point ------------------------------------------------------------------------

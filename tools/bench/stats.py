@@ -1,4 +1,5 @@
-"""Quantiles, ratios, the printed report, its tables, and the watch on a measured process."""
+"""Quantiles, ratios, the printed report, its tables, the watch on a measured process, and
+the gateway's own counters."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import httpx
 
 from tools.bench import load
 from tools.bench.load import Block, Samples
@@ -118,6 +121,47 @@ class ProcessWatch:
 
     def cpu_ms_per_1000(self) -> float:
         return self.cpu / self.requests * 1e6 if self.requests else math.nan
+
+
+class GatewayCounters:
+    """The gateway's own counters (its /metrics) over one phase: its account of its time per
+    request, and its young-generation garbage collections per request (a proxy at saturation
+    pays for each; a few more objects per request in flight can make them ten times as many)."""
+
+    OVERHEAD = "loragate_gateway_overhead_seconds_sum"
+    REQUESTS = "loragate_gateway_overhead_seconds_count"
+    YOUNG_GC = 'python_gc_collections_total{generation="0"}'
+
+    def __init__(self, url: str) -> None:
+        self.url = url + "/metrics"
+        self._start: dict[str, float] = {}
+
+    def _read(self) -> dict[str, float]:
+        values: dict[str, float] = {}
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            for line in httpx.get(self.url, timeout=10).text.splitlines():
+                name, _, value = line.rpartition(" ")
+                if name in (self.OVERHEAD, self.REQUESTS, self.YOUNG_GC):
+                    values[name] = float(value)
+        return values
+
+    def start(self) -> None:
+        self._start = self._read()
+
+    def _per_request(self, name: str) -> float:
+        now = self._read()
+        requests = now.get(self.REQUESTS, 0.0) - self._start.get(self.REQUESTS, 0.0)
+        if name not in now or not requests:
+            return math.nan  # a gateway without this counter, or no request
+        return (now[name] - self._start.get(name, 0.0)) / requests
+
+    def mean(self) -> float:
+        """Seconds of its own time per request."""
+        return self._per_request(self.OVERHEAD)
+
+    def young_collections(self) -> float:
+        """Young-generation garbage collections per request."""
+        return self._per_request(self.YOUNG_GC)
 
 
 def combine(*watches: ProcessWatch) -> tuple[load.BlockHook, load.BlockHook]:

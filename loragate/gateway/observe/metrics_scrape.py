@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import (
     CollectorRegistry,
     Gauge,
+    GCCollector,
     PlatformCollector,
     ProcessCollector,
     generate_latest,
@@ -52,13 +53,15 @@ if TYPE_CHECKING:
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NAN = float("nan")
 
-# The gateway's own process metrics (``process_*``, ``python_info``, ``loragate_build_info``):
+# The gateway's own process metrics (``process_*``, ``python_info``, ``python_gc_*``: its garbage
+# collections by generation, which cost a proxy CPU at saturation; ``loragate_build_info``):
 # prometheus_client's standard collectors in a registry of their own, so the scrape writes them
 # once, after the gateway's families and before the engine's (whose own ``process_*`` and
 # ``python_*`` families ``serving.engine_metrics`` drops).
 _registry = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=_registry)
 PlatformCollector(registry=_registry)
+GCCollector(registry=_registry)
 _build = Gauge(
     "loragate_build_info",
     "loragate's version (the value is always 1).",
@@ -80,7 +83,8 @@ _build.labels(version=_version()).set(1)
 
 
 def gateway_process_metrics() -> bytes:
-    """``process_*``, ``python_info`` and ``loragate_build_info``, as prometheus_client writes them."""
+    """``process_*``, ``python_info``, ``python_gc_*`` and ``loragate_build_info``, as
+    prometheus_client writes them."""
     return generate_latest(_registry)
 
 
