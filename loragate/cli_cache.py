@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,12 +31,11 @@ from loragate.cli_admin import (
 )
 from loragate.cli_errors import FAILURE, fail, warn
 from loragate.cli_help import PlainCommand, plain_typer
+from loragate.cli_tables import GAP, beneath, terminal_width
 
 if TYPE_CHECKING:  # imported with the commands: the CLI starts without them
     from loragate.cache.contents import CacheItem, GatewayServes, Inventory
 
-_WIDEST = 100
-_GAP = "  "
 _SHORTEST_PREFIX = 6  # of a version's sha256, to name it
 _LONG_NAME = 28  # a repo id as long as Qwen/Qwen2.5-1.5B-Instruct still fits the column
 _NARROWEST = 16  # for the USED BY column, else it goes beneath its row
@@ -139,7 +137,7 @@ def cache_list(
     if as_json:
         typer.echo(json.dumps(_report(where, view), indent=2))
         return
-    width = min(shutil.get_terminal_size().columns, _WIDEST)
+    width = terminal_width()
     typer.echo(cache_table(view, where.url, width), nl=False)
 
 
@@ -437,7 +435,7 @@ def cache_table(view: _View, url: str, width: int = 80) -> str:
     for row, item in zip(cells, inventory.items, strict=True):
         lines += _row(row, kind_width, name_width, size_width, width)
         if not item.used_by and item.origin:
-            lines += _beneath(f"from {item.origin}", width)
+            lines += beneath(f"from {item.origin}", width)
     prunable = inventory.prunable()
     total = f"{len(inventory.items)} items, {human_size(inventory.bytes_of(inventory.items))}"
     if prunable:
@@ -446,7 +444,7 @@ def cache_table(view: _View, url: str, width: int = 80) -> str:
         total += ": see below" if view.refusals() else ": `gateway cache prune` removes them"
     else:
         total += "; nothing unused"
-    total_lines = _beneath(total, width, indent="")
+    total_lines = beneath(total, width, indent="")
     return "\n".join([*lines, "", *total_lines, *_notes(view, url, width)]) + "\n"
 
 
@@ -454,14 +452,14 @@ def _row(cells: list[str], kind: int, name: int, size: int, width: int) -> list[
     """One row: KIND and NAME left-aligned, SIZE right-aligned, USED BY wrapped in what is
     left of the line (beneath the row when too little is)."""
     lines = []
-    head = f"{cells[0].ljust(kind)}{_GAP}{cells[1].ljust(name)}"
+    head = f"{cells[0].ljust(kind)}{GAP}{cells[1].ljust(name)}"
     if len(cells[1]) > name:
         lines.append(head)
-        head = " " * len(head[: len(cells[0].ljust(kind)) + len(_GAP) + name])
-    head += f"{_GAP}{cells[2].rjust(size)}{_GAP}"
+        head = " " * len(head[: len(cells[0].ljust(kind)) + len(GAP) + name])
+    head += f"{GAP}{cells[2].rjust(size)}{GAP}"
     room = width - len(head)
     if room < _NARROWEST:
-        return [*lines, head.rstrip(), *_beneath(cells[3], width, indent="    ")]
+        return [*lines, head.rstrip(), *beneath(cells[3], width, indent="    ")]
     used = textwrap.wrap(cells[3], room, break_long_words=False, break_on_hyphens=False)
     used = used or [""]
     return [*lines, (head + used[0]).rstrip(), *(" " * len(head) + more for more in used[1:])]
@@ -487,18 +485,7 @@ def _notes(view: _View, url: str, width: int) -> list[str]:
         )
     notes += view.inventory.problems
     notes += [f"{scope}: {why}" for scope, why in view.untried.items()]
-    return [line for note in notes for line in _beneath(note, width, indent="")]
-
-
-def _beneath(text: str, width: int, indent: str = "  ") -> list[str]:
-    return textwrap.wrap(
-        " ".join(text.split()),
-        width=max(width, 40),
-        initial_indent=indent,
-        subsequent_indent=indent + "  ",
-        break_long_words=False,
-        break_on_hyphens=False,
-    )
+    return [line for note in notes for line in beneath(note, width, indent="")]
 
 
 def human_size(size: int) -> str:

@@ -19,8 +19,9 @@ from typing import Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from loragate.cli_tables import WIDEST
+
 OPTIONS = "Options"
-_WIDEST = 100  # past this, lines of help get hard to read however wide the terminal
 _HELP_INDENT = 6
 # An option's value in words, by its type's name, where the option gives no metavar.
 _TYPE_WORDS = {"integer": "INT", "int": "INT", "float": "NUMBER", "path": "PATH"}
@@ -75,7 +76,7 @@ def format_help(command: Any, ctx: Any) -> str:
     one), the help beneath, its default and the environment variables that set it; a
     group's commands last, each with the first sentence of its help."""
     columns = ctx.terminal_width or shutil.get_terminal_size().columns
-    width = max(min(columns, ctx.max_content_width or _WIDEST, _WIDEST), 40)
+    width = max(min(columns, ctx.max_content_width or WIDEST, WIDEST), 40)
     pieces = " ".join(command.collect_usage_pieces(ctx))
     lines = _wrap(f"Usage: {ctx.command_path} {pieces}{command.usage_tail}", width, 0, 4)
     for paragraph in inspect.cleandoc(command.help or "").split("\n\n"):

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import inspect
 import json
-import shutil
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from loragate import cli_tables as table
 from loragate.cli_errors import FAILURE, USAGE, fail, fail_each
 from loragate.cli_options import given_values, serve_parameters
-from loragate.cli_status import _beneath, _columns, _size  # the house table style
-
-_WIDEST = 100
 
 
 def plan(
@@ -81,7 +78,7 @@ def plan(
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
-        width = min(shutil.get_terminal_size().columns, _WIDEST)
+        width = table.terminal_width()
         typer.echo(plan_table(report, width), nl=False)
     if any(engine["fits"] is False for engine in report["engines"]):
         raise typer.Exit(FAILURE)
@@ -137,13 +134,13 @@ def plan_table(report: dict[str, Any], width: int = 80) -> str:
                 for device, nbytes in engine["held_bytes"].items():
                     held[device] = held.get(device, 0) + nbytes
         rows = [
-            [str(n), _size(gpu["total_bytes"]), _size(gpu["free_bytes"]),
-             _size(held.get(str(n))), gpu["name"]]
+            [str(n), table.size(gpu["total_bytes"]), table.size(gpu["free_bytes"]),
+             table.size(held.get(str(n))), gpu["name"]]
             for n, gpu in enumerate(report["gpus"])
         ]  # fmt: skip
-        lines += [*_columns(["GPU", "TOTAL", "FREE", "RESIDENT", "NAME"], rows), ""]
+        lines += [*table.columns(["GPU", "TOTAL", "FREE", "RESIDENT", "NAME"], rows), ""]
     else:
-        lines += [f"no GPU: the CPU build's plan, in {_size(report['host_bytes'])} free", ""]
+        lines += [f"no GPU: the CPU build's plan, in {table.size(report['host_bytes'])} free", ""]
     if not engines:
         lines.append("no engine to plan (an upstream server, or an engine_command of your own)")
         return "\n".join(lines) + "\n"
@@ -151,19 +148,21 @@ def plan_table(report: dict[str, Any], width: int = 80) -> str:
         [engine["model"], {True: "yes", False: "no"}.get(engine["fits"], "?"),
          ",".join(str(d) for d in engine["devices"]) or "-",
          f"{engine['gpu_memory_utilization']:g}" if engine["gpu_memory_utilization"] else "-",
-         _size(engine["weights_bytes"]), _size(engine["kv_cache_bytes"]),
+         table.size(engine["weights_bytes"]), table.size(engine["kv_cache_bytes"]),
          str(engine["max_model_len"] or "-")]
         for engine in engines
     ]  # fmt: skip
-    lines += _columns(["MODEL", "FITS", "GPUS", "SHARE", "WEIGHTS", "KV CACHE", "MAX LEN"], rows)
+    lines += table.columns(
+        ["MODEL", "FITS", "GPUS", "SHARE", "WEIGHTS", "KV CACHE", "MAX LEN"], rows
+    )
     for engine in engines:
         if engine["reason"]:
-            lines += _beneath(engine["reason"], width)
+            lines += table.beneath(engine["reason"], width)
         elif engine["fits"] and (engine["args"] or engine["env"]):
             given = [*engine["args"], *(f"{k}={v}" for k, v in engine["env"].items())]
-            lines += _beneath(f"{engine['model']} boots with {' '.join(given)}", width)
+            lines += table.beneath(f"{engine['model']} boots with {' '.join(given)}", width)
         for warning in engine.get("warnings") or []:
-            lines += _beneath(f"{engine['model']}: {warning}", width)
+            lines += table.beneath(f"{engine['model']}: {warning}", width)
     resident = report["resident_at_once"]
     lines += ["", f"resident at once: {', '.join(resident) if resident else 'none'}"]
     return "\n".join(lines) + "\n"

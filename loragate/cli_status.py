@@ -5,13 +5,12 @@ and ``docker ps`` print them (the gateway, its engines, its models, its adapters
 from __future__ import annotations
 
 import json
-import shutil
-import textwrap
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
 
+from loragate import cli_tables as table
 from loragate.cli_admin import (
     DEFAULT_URL,
     AdminKeyOption,
@@ -21,9 +20,6 @@ from loragate.cli_admin import (
     local_admin_token,
     read_quietly,
 )
-
-_WIDEST = 100  # a reason wrapped wider than this is hard to read, whatever the terminal
-_GAP = "  "
 
 
 @dataclass
@@ -81,7 +77,7 @@ def status(
         return
     health = read_quietly(url, "/health")
     traffic = read_quietly(url, "/metrics/recent?window=10&step=10", admin_key)
-    width = min(shutil.get_terminal_size().columns, _WIDEST)
+    width = table.terminal_width()
     typer.echo(status_table(url, answers, health, traffic, width), nl=False)
 
 
@@ -97,41 +93,41 @@ def status_table(
     traffic = traffic or {}
     health = health or {}
     base = answers.adapters.get("base_model") or next(iter(health.get("models") or []), "engine")
-    lines = _columns(
+    lines = table.columns(
         ["GATEWAY", "STATUS", "UPTIME", "IN FLIGHT", "WAITING"],
-        [[url, health.get("status", "-"), _duration(health.get("uptime_s")),
-          _count(traffic.get("in_flight")), _count(traffic.get("queued"))]],
+        [[url, health.get("status", "-"), table.duration(health.get("uptime_s")),
+          table.count(traffic.get("in_flight")), table.count(traffic.get("queued"))]],
     )  # fmt: skip
     if health.get("status") not in (None, "healthy") and health.get("reason"):
-        lines += _beneath(str(health["reason"]), width)
+        lines += table.beneath(str(health["reason"]), width)
     progress = health.get("progress")  # a start that downloads, dequantizes or boots
     if isinstance(progress, dict) and progress.get("description"):
-        lines += _beneath(str(progress["description"]), width)
+        lines += table.beneath(str(progress["description"]), width)
     engines = answers.engine if answers.catalog is not None else {base: answers.engine}
     lines += ["", *_engines(engines, width)]
     if answers.catalog is not None:
         lines += ["", *_catalog_models(answers.catalog, width)]
     else:
         adapters = answers.adapters.get("data", [])
-        row = [base, answers.engine.get("state", "-"), _count(traffic.get("in_flight")),
+        row = [base, answers.engine.get("state", "-"), table.count(traffic.get("in_flight")),
                str(len(adapters))]  # fmt: skip
-        lines += ["", *_columns(["MODEL", "STATE", "IN FLIGHT", "ADAPTERS"], [row])]
+        lines += ["", *table.columns(["MODEL", "STATE", "IN FLIGHT", "ADAPTERS"], [row])]
     lines += ["", *_adapters(answers.adapters, base, width)]
     return "\n".join(lines) + "\n"
 
 
 def _engines(engines: dict[str, dict[str, Any]], width: int) -> list[str]:
     rows = [
-        [name, engine.get("state", "-"), _count(engine.get("pid")), _count(engine.get("restarts")),
-         _duration(engine.get("uptime_s")), _size(engine.get("rss_bytes"))]
+        [name, engine.get("state", "-"), table.count(engine.get("pid")), table.count(engine.get("restarts")),
+         table.duration(engine.get("uptime_s")), table.size(engine.get("rss_bytes"))]
         for name, engine in engines.items()
     ]  # fmt: skip
-    lines = _columns(["ENGINE", "STATE", "PID", "RESTARTS", "UPTIME", "MEMORY"], rows)
+    lines = table.columns(["ENGINE", "STATE", "PID", "RESTARTS", "UPTIME", "MEMORY"], rows)
     for name, engine in engines.items():
         if engine.get("state") not in ("ready", "stopped") and engine.get("reason"):
-            lines += _beneath(f"{name}: {engine['reason']}", width)
+            lines += table.beneath(f"{name}: {engine['reason']}", width)
         if engine.get("last_exit"):
-            lines += _beneath(f"{name}'s last exit: {engine['last_exit']}", width)
+            lines += table.beneath(f"{name}'s last exit: {engine['last_exit']}", width)
     return lines
 
 
@@ -139,15 +135,15 @@ def _catalog_models(catalog: dict[str, Any], width: int) -> list[str]:
     models = catalog.get("models", [])
     rows = [
         [model["id"], model.get("residency", "-"), model.get("state", "-"),
-         _count(model.get("in_flight")), _duration(model.get("idle_seconds")),
-         _size(model.get("memory_bytes")), str(len(model.get("adapters") or []))]
+         table.count(model.get("in_flight")), table.duration(model.get("idle_seconds")),
+         table.size(model.get("memory_bytes")), str(len(model.get("adapters") or []))]
         for model in models
     ]  # fmt: skip
     header = ["MODEL", "RESIDENCY", "STATE", "IN FLIGHT", "IDLE", "MEMORY", "ADAPTERS"]
-    lines = _columns(header, rows)
+    lines = table.columns(header, rows)
     for model in models:
         if model.get("residency") == "failed" and model.get("reason"):
-            lines += _beneath(f"{model['id']}: {model['reason']}", width)
+            lines += table.beneath(f"{model['id']}: {model['reason']}", width)
     lines.append(f"swaps: {catalog.get('swaps', 0)}")
     return lines
 
@@ -164,61 +160,12 @@ def _adapters(adapters: dict[str, Any], base: str, width: int) -> list[str]:
          row.get("state", "-"), row.get("source") or "-"]
         for row in data
     ]  # fmt: skip
-    lines = _columns(["ADAPTER", "MODEL", "STATE", "SOURCE"], rows) if rows else []
+    lines = table.columns(["ADAPTER", "MODEL", "STATE", "SOURCE"], rows) if rows else []
     for row in data:
         if row.get("error"):
-            lines += _beneath(f"{row['name']}: {row['error']}", width)
+            lines += table.beneath(f"{row['name']}: {row['error']}", width)
     from loragate.cli_progress import progress_line
 
     for record in adding:
         lines.append(f"adding {record['name']}: {(progress_line(record) or '').strip()}")
     return lines
-
-
-def _columns(header: list[str], rows: list[list[str]]) -> list[str]:
-    """``header`` and ``rows`` left-aligned in columns two spaces apart; the last column is
-    not padded, so a long source or path only lengthens its own line."""
-    widths = [max(len(str(cells[i])) for cells in [header, *rows]) for i in range(len(header))]
-    return [
-        _GAP.join(str(cell).ljust(w) for cell, w in zip(cells, widths, strict=True)).rstrip()
-        for cells in [header, *rows]
-    ]
-
-
-def _beneath(text: str, width: int) -> list[str]:
-    """A reason or an error, under the row it explains: wrapped, never cut (it is what the
-    operator acts on)."""
-    return textwrap.wrap(
-        " ".join(text.split()),
-        width=max(width, 40),
-        initial_indent="  ",
-        subsequent_indent="    ",
-        break_long_words=False,
-        break_on_hyphens=False,
-    )
-
-
-def _count(value: Any) -> str:
-    return "-" if value is None else str(value)
-
-
-def _duration(seconds: Any) -> str:
-    """``45s``, ``12m``, ``2h13m``, ``3d4h``: as ``docker ps`` says how long, in one word."""
-    if seconds is None:
-        return "-"
-    whole = int(seconds)
-    if whole < 60:
-        return f"{whole}s"
-    if whole < 3600:
-        return f"{whole // 60}m"
-    if whole < 86400:
-        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
-    return f"{whole // 86400}d{whole % 86400 // 3600}h"
-
-
-def _size(size: Any) -> str:
-    if not size:
-        return "-"
-    if size >= 1 << 30:
-        return f"{size / (1 << 30):.1f} GiB"
-    return f"{size / (1 << 20):.0f} MiB"
