@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,50 +12,15 @@ import httpx
 import pytest
 
 from tests.gateway_process import GatewayProcess, wait_gone
+from tests.systemd_socket import NotifySocket, notify_socket
 
 pytestmark = [pytest.mark.engine, pytest.mark.restarts]
 
 
-class NotifySocket:
-    """A real AF_UNIX datagram socket standing in for systemd's NOTIFY_SOCKET, read at once
-    by a thread as systemd reads it (a datagram queue holds only a few messages: unread, the
-    gateway's later ones would be dropped; progress lines come every 10 s during a boot)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.settimeout(0.2)
-        self.messages: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                self.messages.append(self.sock.recv(65536).decode())
-            except TimeoutError:
-                continue
-            except OSError:  # closed
-                return
-
-    def drain(self) -> list[str]:
-        time.sleep(0.2)
-        return list(self.messages)
-
-    def wait_for(self, text: str, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any(text in m for m in self.drain()):
-                return
-        raise TimeoutError(f"no {text!r} among {self.messages}")
-
-
 @pytest.fixture()
-def notify(tmp_path: Path) -> Iterator[NotifySocket]:
-    sock = NotifySocket(tmp_path / "notify.sock")
-    yield sock
-    sock.sock.close()
+def notify() -> Iterator[NotifySocket]:
+    with notify_socket() as sock:
+        yield sock
 
 
 @dataclass
@@ -78,7 +40,11 @@ def killed_gateway(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     A fixture, not a test, so that the next gateway's test does not depend on test order.
     """
     cache_dir = tmp_path_factory.mktemp("lifecycle-cache")
-    notify = NotifySocket(tmp_path_factory.mktemp("notify") / "notify.sock")
+    with notify_socket() as notify:
+        return _started_and_killed(cache_dir, demo_dir, notify)
+
+
+def _started_and_killed(cache_dir: Path, demo_dir: Path, notify: NotifySocket) -> KilledGateway:
     env = {
         "NOTIFY_SOCKET": str(notify.path),
         "LORAGATE_ENGINE_BOOT_MODE": "multiprocess",
@@ -86,7 +52,7 @@ def killed_gateway(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     process = GatewayProcess(cache_dir=cache_dir, env=env).start()
     try:
         process.wait_ready()
-        notify.wait_for("READY=1")
+        notify.wait("READY=1")
         # A runtime adapter, to be served again by the next gateway on this cache dir.
         put = process.admin(
             "PUT", "/admin/adapters/second-owl", json={"source": str(demo_dir / "adapters" / "owl")}
@@ -99,7 +65,6 @@ def killed_gateway(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         survivors = wait_gone(tree, timeout=30)
     finally:
         process.stop()
-        notify.sock.close()
     return KilledGateway(cache_dir, list(notify.messages), tree, survivors)
 
 
@@ -170,6 +135,6 @@ def test_new_gateway_on_the_same_cache_dir_starts_cleanly_and_serves_runtime_ada
         # uvicorn re-raises the signal after its clean shutdown; systemd counts that as success.
         assert process.proc.wait(60) in (0, -signal.SIGTERM)
         assert wait_gone(tree, timeout=30) == []
-        notify.wait_for("STOPPING=1", timeout=5)
+        notify.wait("STOPPING=1", timeout=5)
     finally:
         process.stop()

@@ -15,8 +15,6 @@ import contextlib
 import signal
 import socket
 import subprocess
-import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -32,56 +30,18 @@ from loragate.gateway.server.serve import GatewayServer
 from loragate.settings import Settings
 from tests.backend_double import RecordingBackend, free_port
 from tests.gateway_process import GatewayProcess
+from tests.systemd_socket import NotifySocket, notify_socket
 from tests.unit.test_catalog import STAND_IN, catalog_settings
 from tools.bench.fake_engine import FakeEngine, start_server
 
 
-class NotifySocket:
-    """systemd's side of ``NOTIFY_SOCKET``: every datagram, read at once by a thread (an unread
-    queue holds only a few; the gateway's later ones would be dropped)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.settimeout(0.1)
-        self.messages: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                self.messages.append(self.sock.recv(65536).decode())
-            except TimeoutError:
-                continue
-            except OSError:  # closed
-                return
-
-    def index(self, line: str) -> int | None:
-        """The first datagram with a line starting with ``line``, or None."""
-        for at, message in enumerate(list(self.messages)):
-            if any(field.startswith(line) for field in message.split("\n")):
-                return at
-        return None
-
-    async def wait_for(self, line: str, timeout: float = 30) -> int:
-        deadline = time.monotonic() + timeout
-        while (at := self.index(line)) is None:
-            assert time.monotonic() < deadline, f"no {line!r} among {self.messages}"
-            await asyncio.sleep(0.02)
-        return at
-
-
 @pytest.fixture
 def systemd(monkeypatch: pytest.MonkeyPatch) -> Iterator[NotifySocket]:
-    # sockaddr_un holds 108 bytes: pytest's tmp_path may be longer.
-    with tempfile.TemporaryDirectory(prefix="sd-", dir="/tmp") as short:
-        notify = NotifySocket(Path(short) / "notify.sock")
+    with notify_socket() as notify:
         monkeypatch.setenv("NOTIFY_SOCKET", str(notify.path))
         monkeypatch.delenv("WATCHDOG_USEC", raising=False)
         monkeypatch.delenv("WATCHDOG_PID", raising=False)
         yield notify
-        notify.sock.close()
 
 
 @contextlib.asynccontextmanager
@@ -304,7 +264,7 @@ def test_gateway_serve_in_front_of_an_upstream_tells_systemd_ready_then_stopping
             assert time.monotonic() < deadline and stand_in.poll() is None, "no stand-in"
             time.sleep(0.05)
         gateway.start()
-        asyncio.run(systemd.wait_for("READY=1", timeout=60))
+        systemd.wait("READY=1", timeout=60)
         gateway.wait_listening(timeout=10)
         models = httpx.get(f"{gateway.url}/v1/models", timeout=10, trust_env=False).json()
         assert [model["id"] for model in models["data"]] == ["upstream-base"]
@@ -312,7 +272,7 @@ def test_gateway_serve_in_front_of_an_upstream_tells_systemd_ready_then_stopping
         gateway.signal(signal.SIGTERM)
         assert gateway.proc is not None
         assert gateway.proc.wait(30) in (0, -signal.SIGTERM)
-        asyncio.run(systemd.wait_for("STOPPING=1", timeout=5))
+        systemd.wait("STOPPING=1", timeout=5)
         assert systemd.messages == ["READY=1", "STOPPING=1"]
     finally:
         gateway.stop()
