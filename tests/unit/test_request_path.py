@@ -88,17 +88,22 @@ def documented_path() -> list[str]:
     return [m.removeprefix("loragate/") for m in re.findall(r"^\d+\. `([^`]+\.py)`", section, re.M)]
 
 
-@pytest.mark.parametrize("as_served", [True, False], ids=["gateway-serve", "uvicorn"])
-def test_a_chat_request_reaches_the_engine_through_the_five_files_the_docs_name(
-    tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch, as_served: bool
-) -> None:
-    settings = Settings(
+def one_model_settings(tmp_path: Path, demo_dir: Path) -> Settings:
+    """One model, the demo base with its adapter ``pong``, on the stand-in engine."""
+    return Settings(
         cache_dir=tmp_path / "cache",
         model=str(demo_base_dir(demo_dir)),
         lora=[f"pong={demo_adapter_dir(demo_dir, 'pong')}"],
         engine_command=STAND_IN,
         probe_interval=0.2,
     )
+
+
+@pytest.mark.parametrize("as_served", [True, False], ids=["gateway-serve", "uvicorn"])
+def test_a_chat_request_reaches_the_engine_through_the_five_files_the_docs_name(
+    tmp_path: Path, demo_dir: Path, monkeypatch: pytest.MonkeyPatch, as_served: bool
+) -> None:
+    settings = one_model_settings(tmp_path, demo_dir)
     path = path_of_a_chat_request(settings, "pong", monkeypatch, as_served=as_served)
     assert path == documented_path()
     assert len(path) <= 5, path
@@ -137,13 +142,7 @@ HELD_WHILE_AT_THE_ENGINE = 11
 def test_a_request_at_the_engine_holds_no_more_objects_than_before_the_serving_core(
     tmp_path: Path, demo_dir: Path
 ) -> None:
-    settings = Settings(
-        cache_dir=tmp_path / "cache",
-        model=str(demo_base_dir(demo_dir)),
-        lora=[f"pong={demo_adapter_dir(demo_dir, 'pong')}"],
-        engine_command=STAND_IN,
-        probe_interval=0.2,
-    )
+    settings = one_model_settings(tmp_path, demo_dir)
     app = create_app(settings)
     backend = app.state.gateway.backend
     held: list[int] = []
