@@ -423,7 +423,9 @@ class EngineProcess:
 
     @property
     def uptime_s(self) -> float | None:
-        if self._spawned_at and self._proc:
+        """Seconds since the running engine was spawned; None once it has exited (stopped,
+        unloaded or dead), not the time since the last one was."""
+        if self._spawned_at and self._proc is not None and self._proc.poll() is None:
             return round(time.time() - self._spawned_at, 1)
         return None
 

@@ -71,6 +71,7 @@ def test_gateway_models_list_load_unload_on_a_one_model_gateway(
         # Cold, not down: /health stays 200 so a load balancer keeps sending requests.
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 200 and "next request boots it" in health.json()["reason"]
+        assert health.json()["engine_uptime_s"] is None  # no engine runs: no engine uptime
 
         answer = chat(url, "pong")  # a request boots the cold engine, as in a catalog
         assert answer.status_code == 200, answer.text
