@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import re
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -139,6 +140,10 @@ def test_a_cold_catalog_models_request_takes_the_same_path(
 HELD_WHILE_AT_THE_ENGINE = 11
 
 
+@pytest.mark.skipif(
+    sys.version_info[:2] != (3, 11),
+    reason="counted on CPython 3.11 (the quick start's): what a coroutine holds differs by version",
+)
 def test_a_request_at_the_engine_holds_no_more_objects_than_before_the_serving_core(
     tmp_path: Path, demo_dir: Path
 ) -> None:
