@@ -272,7 +272,9 @@ def _why_not(
         )
     for number, nbytes in sorted((needs_held or {}).items()):
         assert gpu_room  # a GPU is checked only with its room
-        room = gpu_room.get(number, 0)
+        if number not in gpu_room:  # its memory unknown: nothing is refused for room there
+            continue
+        room = gpu_room[number]
         on_it = {i: by_gpu[number] for i, (_, by_gpu) in held.items() if by_gpu.get(number)}
         if nbytes > room:
             return (

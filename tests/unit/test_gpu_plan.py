@@ -280,6 +280,11 @@ def test_a_catalog_counts_each_gpu_apart_and_rechecks_at_boot(qwen25_1_5b: Path)
     # Two GPUs' free memory is not one pool: a third such engine does not fit on GPU 0.
     assert not fits_on_gpus(beta.held_bytes, [alpha.held_bytes, beta.held_bytes], room)
     assert fits_on_gpus({1: beta.held_bytes[0]}, [alpha.held_bytes, beta.held_bytes], room)
+    # A slice whose memory nvidia-smi does not give has no room listed, not a room of 0:
+    # the plan cannot tell, so nothing is refused there.
+    unread = GpuInfo("0:1", "NVIDIA test GPU MIG 1g.10gb", 0, 0, "MIG-x", memory_known=False)
+    assert gpu_room([*cards, unread]) == room
+    assert fits_on_gpus({2: 8 * GiB}, [alpha.held_bytes], gpu_room([*cards, unread]))
     assert boot_refusal(alpha, cards) is None
     taken = [GpuInfo("0", "NVIDIA test GPU", 24 * GiB, 8 * GiB)]  # another program woke up
     assert "only 8.0 GiB is free there now: vLLM would refuse to start" in (

@@ -231,20 +231,23 @@ def plan_gpus(
 
 def gpu_room(gpus: Sequence[GpuInfo]) -> dict[int, int]:
     """What each GPU has for a catalog's engines, by GPU number: what is free on it (at the
-    gateway's start). Each GPU apart: room is never summed across GPUs."""
-    return {number: gpu.free_bytes for number, gpu in enumerate(gpus)}
+    gateway's start). Each GPU apart: room is never summed across GPUs. A GPU whose memory
+    nvidia-smi does not give has no entry: the plan cannot tell, so it refuses nothing there
+    (and places nothing there either: its engines have no ``held_bytes`` on it)."""
+    return {number: gpu.free_bytes for number, gpu in enumerate(gpus) if gpu.memory_known}
 
 
 def fits_on_gpus(
     needs: Mapping[int, int], taken: Iterable[Mapping[int, int]], room: Mapping[int, int]
 ) -> bool:
     """Whether an engine holding ``needs`` (bytes by GPU number: a placement's
-    ``held_bytes``) fits beside engines holding ``taken``, on every GPU it uses."""
+    ``held_bytes``) fits beside engines holding ``taken``, on every GPU it uses that has a
+    known ``room``."""
     used: dict[int, int] = {}
     for held in taken:
         for number, nbytes in held.items():
             used[number] = used.get(number, 0) + nbytes
-    return all(used.get(n, 0) + nbytes <= room.get(n, 0) for n, nbytes in needs.items())
+    return all(used.get(n, 0) + nbytes <= room[n] for n, nbytes in needs.items() if n in room)
 
 
 def boot_refusal(placement: Placement, gpus: Sequence[GpuInfo]) -> str | None:
