@@ -167,7 +167,7 @@ def test_a_request_at_the_engine_holds_no_more_objects_than_before_the_serving_c
                 await asyncio.sleep(0.1)
             backend.proxy.relay = at_the_engine
             (base,) = set(backend.model_ids()) - {"pong"}
-            for model in ["pong", "pong", base, base]:
+            for model in ["pong"] * 6 + [base] * 6:
                 payload = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
                 start = gc.get_count()[0]
                 await backend.forward("/v1/chat/completions", payload, model, False, "r")
@@ -178,7 +178,8 @@ def test_a_request_at_the_engine_holds_no_more_objects_than_before_the_serving_c
         asyncio.run(requests())
     finally:
         gc.enable()
-    # The first request of each kind warms caches; the second is every request's.
-    adapter, base = held[1], held[3]
-    assert adapter <= HELD_WHILE_AT_THE_ENGINE, held
-    assert base <= HELD_WHILE_AT_THE_ENGINE, held
+    # The first request of each kind warms caches. The fewest of the others is what every
+    # request holds: another thread of the test process allocating during one request's
+    # few microseconds (the count is the process's) can only add to that one.
+    assert min(held[1:6]) <= HELD_WHILE_AT_THE_ENGINE, held
+    assert min(held[7:]) <= HELD_WHILE_AT_THE_ENGINE, held
