@@ -324,9 +324,15 @@ def test_status_of_a_catalog_shows_each_model_its_residency_and_why_one_failed()
 
 
 def test_shell_completion_is_on() -> None:
+    """The script a shell sources (what --install-completion writes) and a completion, asked
+    as bash asks it. Not --show-completion: that detects the shell running the tests, and
+    pytest may have none above it (.ci/run execs it; a container or a service runs it)."""
     assert "--install-completion" in runner.invoke(app, ["--help"]).stdout
-    script = runner.invoke(app, ["--show-completion", "bash"], prog_name="gateway")
-    assert script.exit_code == 0 and "_GATEWAY_COMPLETE" in script.stdout
+    script = runner.invoke(app, [], env={"_GATEWAY_COMPLETE": "source_bash"}, prog_name="gateway")
+    assert script.exit_code == 0 and "_GATEWAY_COMPLETE=complete_bash" in script.stdout
+    asked = {"_GATEWAY_COMPLETE": "complete_bash", "COMP_WORDS": "gateway ser", "COMP_CWORD": "1"}
+    completed = runner.invoke(app, [], env=asked, prog_name="gateway")
+    assert completed.exit_code == 0 and completed.stdout.split() == ["serve"], completed.stdout
 
 
 def _commands() -> list[list[str]]:

@@ -230,10 +230,8 @@ def plan_gpus(
 
 
 def gpu_room(gpus: Sequence[GpuInfo]) -> dict[int, int]:
-    """What each GPU has for a catalog's engines, by GPU number: what is free on it (at the
-    gateway's start). Each GPU apart: room is never summed across GPUs. A GPU whose memory
-    nvidia-smi does not give has no entry: the plan cannot tell, so it refuses nothing there
-    (and places nothing there either: its engines have no ``held_bytes`` on it)."""
+    """Each GPU's room for a catalog's engines: free at the gateway's start, never summed
+    across GPUs; none for one whose memory is unknown (nothing is refused or placed there)."""
     return {number: gpu.free_bytes for number, gpu in enumerate(gpus) if gpu.memory_known}
 
 
@@ -241,8 +239,7 @@ def fits_on_gpus(
     needs: Mapping[int, int], taken: Iterable[Mapping[int, int]], room: Mapping[int, int]
 ) -> bool:
     """Whether an engine holding ``needs`` (bytes by GPU number: a placement's
-    ``held_bytes``) fits beside engines holding ``taken``, on every GPU it uses that has a
-    known ``room``."""
+    ``held_bytes``) fits beside engines holding ``taken``, on each GPU it uses with a room."""
     used: dict[int, int] = {}
     for held in taken:
         for number, nbytes in held.items():
